@@ -1,0 +1,146 @@
+"""Configuration values and the names of every environment variable we read or write.
+
+Precedence, written once: command-line flags > environment variables > defaults.
+The agent passes torchrun's variables to workers (so unmodified torchrun scripts
+run) plus ``ELASTIC_RT_*`` extras that the library reads with :func:`WorkerEnv.from_env`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Mapping
+
+from elastic_rt.errors import ConfigError
+
+# torchrun's variables, set for every worker.
+RANK_ENV = "RANK"
+LOCAL_RANK_ENV = "LOCAL_RANK"
+WORLD_SIZE_ENV = "WORLD_SIZE"
+LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
+GROUP_RANK_ENV = "GROUP_RANK"
+GROUP_WORLD_SIZE_ENV = "GROUP_WORLD_SIZE"
+ROLE_RANK_ENV = "ROLE_RANK"
+ROLE_WORLD_SIZE_ENV = "ROLE_WORLD_SIZE"
+ROLE_NAME_ENV = "ROLE_NAME"
+MASTER_ADDR_ENV = "MASTER_ADDR"
+MASTER_PORT_ENV = "MASTER_PORT"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+
+# Our extras.
+ENDPOINT_ENV = "ELASTIC_RT_ENDPOINT"
+NODE_ID_ENV = "ELASTIC_RT_NODE_ID"
+ROUND_ENV = "ELASTIC_RT_ROUND"
+TOKEN_ENV = "ELASTIC_RT_TOKEN"
+EVENTS_FILE_ENV = "ELASTIC_RT_EVENTS_FILE"
+LEASE_TTL_ENV = "ELASTIC_RT_LEASE_TTL_SEC"
+ETCD_BIN_ENV = "ELASTIC_RT_ETCD_BIN"
+ETCD_CACERT_ENV = "ELASTIC_RT_ETCD_CACERT"
+ETCD_CERT_ENV = "ELASTIC_RT_ETCD_CERT"
+ETCD_KEY_ENV = "ELASTIC_RT_ETCD_KEY"
+ETCD_USER_ENV = "ELASTIC_RT_ETCD_USER"
+ETCD_PASSWORD_ENV = "ELASTIC_RT_ETCD_PASSWORD"
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """Parse torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``).
+
+    Raises:
+        ConfigError: the text is not ``N`` or ``MIN:MAX`` with 1 <= MIN <= MAX.
+    """
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        values = values * 2
+    if len(values) != 2 or not 1 <= values[0] <= values[1]:
+        raise ConfigError(
+            f"--nnodes {text!r} is not N or MIN:MAX with 1 <= MIN <= MAX",
+            "Use for example --nnodes 2 or --nnodes 2:4.",
+        )
+    return values[0], values[1]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EtcdAuth:
+    """How to reach a secured etcd. Secrets never appear in ``repr`` or logs."""
+
+    cacert: str | None = None
+    """CA bundle that signed etcd's server certificate (enables TLS)."""
+    cert: str | None = None
+    """Client certificate for mutual TLS."""
+    key: str | None = None
+    """Client private key for mutual TLS."""
+    user: str | None = None
+    """etcd user name for password auth."""
+    password: str | None = field(default=None, repr=False)
+    """etcd password; kept out of repr."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "EtcdAuth":
+        return cls(
+            cacert=env.get(ETCD_CACERT_ENV) or None,
+            cert=env.get(ETCD_CERT_ENV) or None,
+            key=env.get(ETCD_KEY_ENV) or None,
+            user=env.get(ETCD_USER_ENV) or None,
+            password=env.get(ETCD_PASSWORD_ENV) or None,
+        )
+
+    def to_env(self) -> dict[str, str]:
+        pairs = {
+            ETCD_CACERT_ENV: self.cacert,
+            ETCD_CERT_ENV: self.cert,
+            ETCD_KEY_ENV: self.key,
+            ETCD_USER_ENV: self.user,
+            ETCD_PASSWORD_ENV: self.password,
+        }
+        return {k: v for k, v in pairs.items() if v}
+
+    @property
+    def is_tls(self) -> bool:
+        return self.cacert is not None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RendezvousConfig:
+    """What every node of one job agrees on."""
+
+    run_id: str
+    """Names the job; keys live under ``/elastic_rt/<run_id>/``."""
+    endpoint: str
+    """etcd address as ``host:port`` (the ``etcd://`` scheme stripped)."""
+    min_nodes: int = 1
+    max_nodes: int = 1
+    lease_ttl: timedelta = timedelta(seconds=5)
+    """A node whose lease is not renewed for this long is gone."""
+    last_call: timedelta = timedelta(seconds=1)
+    """Once ``min_nodes`` are there, wait this long for more before forming a round."""
+    join_timeout: timedelta = timedelta(seconds=600)
+    """Give up when ``min_nodes`` have not joined within this time."""
+    auth: EtcdAuth = field(default_factory=EtcdAuth)
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise ConfigError(
+                f"run id {self.run_id!r} is empty or contains '/'",
+                "Pass --run-id with letters, digits, '-' or '_'.",
+            )
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ConfigError(
+                f"nnodes {self.min_nodes}:{self.max_nodes} needs 1 <= MIN <= MAX",
+                "Use for example --nnodes 2:4.",
+            )
+        if self.lease_ttl < timedelta(seconds=1):
+            raise ConfigError(
+                f"lease TTL {self.lease_ttl.total_seconds()}s is under 1 s",
+                f"Set {LEASE_TTL_ENV} to 1 or more.",
+            )
+
+    @property
+    def prefix(self) -> str:
+        return f"/elastic_rt/{self.run_id}/"

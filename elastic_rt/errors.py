@@ -1,0 +1,95 @@
+"""The whole exception hierarchy of elastic-rt.
+
+Every error says whether it is retryable. A :class:`UserError` is a mistake the
+user can fix (bad flag, unreachable endpoint, wrong URL); the CLI prints it as one
+line, ``elastic-rt: error: <problem>. <fix>``, and exits with code 2. Anything
+that is not an ``ElasticError`` is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ElasticError(Exception):
+    """Base of every error the runtime raises on purpose."""
+
+
+class UserError(ElasticError):
+    """A mistake the user can fix. Not retryable: retrying gives the same answer.
+
+    Args:
+        problem: what is wrong, naming the value (no trailing period).
+        fix: what to do about it (one sentence).
+    """
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        self.problem = problem.rstrip(".")
+        self.fix = fix.strip()
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        """The message as the CLI prints it."""
+        return f"{self.problem}. {self.fix}".strip()
+
+
+class ConfigError(UserError):
+    """A flag, environment variable or config field has a bad value. Not retryable."""
+
+
+class EndpointUnreachableError(UserError):
+    """The rendezvous endpoint (etcd) cannot be reached. Not retryable by the CLI."""
+
+
+class UnknownURLSchemeError(UserError):
+    """A URL names a scheme we have no storage or endpoint for. Not retryable."""
+
+
+class CredentialsError(UserError):
+    """Storage or etcd refused our credentials, or none were found. Not retryable."""
+
+
+class CheckpointMismatchError(UserError):
+    """A checkpoint does not fit the model it is loaded into. Not retryable."""
+
+
+class RendezvousError(ElasticError):
+    """Base of rendezvous failures."""
+
+
+class RendezvousTimeoutError(RendezvousError, UserError):
+    """Too few nodes joined before the join timeout. Not retryable: start more nodes."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The job has finished or was stopped; no new round will form. Not retryable."""
+
+
+class FencedOutError(RendezvousError):
+    """Our round is no longer current, so a commit was refused. Retryable in the next round."""
+
+
+class StoreError(ElasticError):
+    """Base of key-value store failures."""
+
+
+class StoreConnectionError(StoreError):
+    """The connection to etcd failed. Retryable: etcd may come back."""
+
+
+class StoreStateError(StoreError):
+    """etcd holds something we did not expect (bad JSON, a foreign key). Not retryable."""
+
+
+class CheckpointError(ElasticError):
+    """Base of checkpoint failures."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No committed checkpoint exists at the URL. Not retryable."""
+
+
+class CorruptShardError(CheckpointError):
+    """A checkpoint file is missing or fails its checksum. Retryable with an older checkpoint."""
+
+
+class WorkerFailedError(ElasticError):
+    """A worker failed and the restart budget is spent. Not retryable."""
