@@ -1,0 +1,216 @@
+"""Unit tests for elastic_rt.layout: plans, rank <-> coordinates, groups, replicas."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+
+from elastic_rt.errors import ConfigError
+from elastic_rt.layout import (
+    Coords,
+    Layout,
+    ModelLimits,
+    has_replica_for_every_shard,
+    plan_layout,
+)
+
+LIMITS = [
+    ModelLimits(),
+    ModelLimits(max_pp=4),
+    ModelLimits(tp_options=(1, 2, 4)),
+    ModelLimits(max_pp=2, tp_options=(2, 4)),
+    ModelLimits(max_pp=4, tp_options=(1, 2), min_dp=2),
+    ModelLimits(max_pp=4, tp_options=(1, 2), max_params_per_rank=300, n_params=1000),
+]
+
+
+@pytest.mark.parametrize("world_size", range(1, 17))
+def test_default_limits_plan_pure_data_parallelism(world_size: int) -> None:
+    assert plan_layout(world_size) == Layout(dp=world_size)
+
+
+@pytest.mark.parametrize("limits", LIMITS, ids=str)
+@pytest.mark.parametrize("world_size", range(1, 17))
+def test_plan_fills_the_world_exactly_and_is_the_best_candidate(
+    world_size: int, limits: ModelLimits
+) -> None:
+    try:
+        layout = plan_layout(world_size, limits)
+    except ConfigError:
+        assert not _candidates(world_size, limits)
+        return
+    assert layout.world_size == world_size
+    assert layout.pp <= limits.max_pp and layout.tp in limits.tp_options
+    assert layout.dp >= limits.min_dp
+    best = min(_candidates(world_size, limits), key=lambda c: (-c[0], c[1], c[2]))
+    assert (layout.dp, layout.pp, layout.tp) == best
+
+
+def _candidates(world_size: int, limits: ModelLimits) -> list[tuple[int, int, int]]:
+    """Brute force over every (dp, pp, tp), independent of the planner's loop."""
+    found = []
+    for dp in range(1, world_size + 1):
+        for pp in range(1, world_size + 1):
+            for tp in range(1, world_size + 1):
+                if dp * pp * tp != world_size or pp > limits.max_pp:
+                    continue
+                if tp not in limits.tp_options or dp < limits.min_dp:
+                    continue
+                if limits.n_params and limits.max_params_per_rank:
+                    if limits.n_params / (pp * tp) > limits.max_params_per_rank:
+                        continue
+                found.append((dp, pp, tp))
+    return found
+
+
+def test_memory_limit_forces_model_parallelism() -> None:
+    limits = ModelLimits(max_pp=4, tp_options=(1, 2), max_params_per_rank=300, n_params=1000)
+    # 1000 params need >= 4 shards of <= 300: pp=2 x tp=2 beats pp=4 x tp=1 (smaller pp).
+    assert plan_layout(8, limits) == Layout(dp=2, pp=2, tp=2)
+
+
+def test_equal_dp_prefers_smaller_pp_over_smaller_tp() -> None:
+    assert plan_layout(4, ModelLimits(max_pp=2, tp_options=(2,))) == Layout(dp=2, pp=1, tp=2)
+
+
+def test_plan_is_deterministic_whatever_the_tp_option_order() -> None:
+    a = plan_layout(12, ModelLimits(max_pp=3, tp_options=(4, 2), min_dp=2))
+    b = plan_layout(12, ModelLimits(max_pp=3, tp_options=(2, 4), min_dp=2))
+    assert a == b == Layout(dp=6, pp=1, tp=2)
+
+
+def test_config_error_names_the_world_and_the_fix_when_nothing_fits() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_layout(7, ModelLimits(tp_options=(2,)))
+    assert "7 ranks" in info.value.problem
+    assert "relax the model limits" in info.value.fix
+    assert str(info.value) == info.value.one_line()
+
+
+def test_memory_that_no_split_fits_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="no layout"):
+        plan_layout(4, ModelLimits(max_pp=2, max_params_per_rank=10, n_params=1000))
+
+
+@pytest.mark.parametrize("world_size", [0, -3])
+def test_non_positive_world_size_is_a_config_error(world_size: int) -> None:
+    with pytest.raises(ConfigError, match="world_size"):
+        plan_layout(world_size)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_pp": 0},
+        {"min_dp": 0},
+        {"tp_options": ()},
+        {"tp_options": (1, 0)},
+        {"max_params_per_rank": 10},
+        {"n_params": 10},
+        {"max_params_per_rank": 0, "n_params": 10},
+    ],
+)
+def test_bad_model_limits_are_config_errors(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        ModelLimits(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [{"dp": 0}, {"dp": 2, "pp": 0}, {"dp": 2, "tp": -1}, {"dp": 1.5}])
+def test_bad_layout_degrees_are_config_errors(bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        Layout(**bad)  # type: ignore[arg-type]
+
+
+LAYOUTS = [Layout(1), Layout(4), Layout(2, 2, 1), Layout(2, 1, 2), Layout(3, 2, 2), Layout(1, 4, 2)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_rank_and_coords_round_trip_in_pp_dp_tp_order(layout: Layout) -> None:
+    seen = []
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        assert layout.rank_of(*c) == rank
+        assert rank == (c.pp * layout.dp + c.dp) * layout.tp + c.tp
+        seen.append(tuple(c))
+    # Walking ranks in order walks the mesh in ("pp", "dp", "tp") order, tp innermost.
+    assert seen == sorted(seen)
+
+
+def test_coords_of_a_known_rank() -> None:
+    assert Layout(dp=3, pp=2, tp=2).coords(9) == Coords(pp=1, dp=1, tp=1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("axis", ["pp", "dp", "tp"])
+def test_groups_share_all_other_coordinates_and_partition_the_world(layout: Layout, axis: str) -> None:
+    groups = layout.all_groups(axis)
+    assert sorted(r for g in groups for r in g) == list(range(layout.world_size))
+    for group in groups:
+        assert len(group) == getattr(layout, axis)
+        coords = [layout.coords(r)._asdict() for r in group]
+        assert [c[axis] for c in coords] == list(range(len(group)))
+        others = {tuple(v for k, v in c.items() if k != axis) for c in coords}
+        assert len(others) == 1
+        for rank in group:
+            assert layout.group_ranks(axis, rank) == group
+
+
+def test_known_groups_of_a_hybrid_layout() -> None:
+    layout = Layout(dp=2, pp=2, tp=2)
+    assert layout.all_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.all_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.all_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_out_of_range_ranks_coords_and_axes_are_value_errors() -> None:
+    layout = Layout(dp=2, pp=2)
+    with pytest.raises(ValueError):
+        layout.coords(4)
+    with pytest.raises(ValueError):
+        layout.coords(-1)
+    with pytest.raises(ValueError):
+        layout.rank_of(0, 2, 0)
+    with pytest.raises(ValueError, match="unknown axis"):
+        layout.group_ranks("ep", 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_dict_form_round_trips_through_json(layout: Layout) -> None:
+    assert Layout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
+
+
+def test_from_dict_defaults_and_rejects_unknown_keys() -> None:
+    assert Layout.from_dict({"dp": 4}) == Layout(4, 1, 1)
+    with pytest.raises(ValueError):
+        Layout.from_dict({"dp": 2, "ep": 2})
+    with pytest.raises(ValueError):
+        Layout.from_dict({"pp": 2})
+
+
+def test_str_names_every_axis() -> None:
+    assert str(Layout(dp=2, pp=2)) == "dp2xpp2xtp1"
+    assert Layout(dp=3, pp=2, tp=4).world_size == 24
+
+
+def test_replica_survives_when_one_dp_copy_of_every_shard_is_left() -> None:
+    layout = Layout(dp=2, pp=2, tp=2)  # dp groups: [0,2] [1,3] [4,6] [5,7]
+    assert has_replica_for_every_shard(layout, set())
+    assert has_replica_for_every_shard(layout, {0, 3, 4, 7})
+    assert not has_replica_for_every_shard(layout, {0, 2})
+    assert not has_replica_for_every_shard(layout, {5, 7, 1})
+
+
+def test_no_replica_without_data_parallelism() -> None:
+    assert not has_replica_for_every_shard(Layout(dp=1, pp=2), {1})
+    assert has_replica_for_every_shard(Layout(dp=1, pp=2), {99})
+
+
+def test_layout_module_does_not_import_torch() -> None:
+    import elastic_rt.layout as layout_module
+
+    tree = ast.parse(open(layout_module.__file__, encoding="utf-8").read())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert imported and not [name for name in imported if name.startswith("torch")]
