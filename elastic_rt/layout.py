@@ -36,7 +36,9 @@ class Coords(NamedTuple):
 
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", f"Set {name} to 1 or more.")
+        raise ConfigError(
+            f"{name} must be an integer >= 1, got {value!r}", f"Set {name} to 1 or more."
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,9 @@ class Layout:
             ValueError: ``rank`` is outside ``[0, world_size)``.
         """
         self._check_rank(rank)
-        return Coords(pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp, tp=rank % self.tp)
+        return Coords(
+            pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp, tp=rank % self.tp
+        )
 
     def rank_of(self, pp: int, dp: int, tp: int) -> int:
         """The rank at mesh coordinates ``(pp, dp, tp)``.
@@ -78,8 +82,9 @@ class Layout:
             ValueError: a coordinate is outside its axis.
         """
         for axis, value in (("pp", pp), ("dp", dp), ("tp", tp)):
-            if not 0 <= value < getattr(self, axis):
-                raise ValueError(f"{axis} coordinate {value} is outside [0, {getattr(self, axis)}) of {self}")
+            size = getattr(self, axis)
+            if not 0 <= value < size:
+                raise ValueError(f"{axis} coordinate {value} is outside [0, {size}) of {self}")
         return (pp * self.dp + dp) * self.tp + tp
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:
@@ -161,7 +166,9 @@ class ModelLimits:
         _check_positive("max_pp", self.max_pp)
         _check_positive("min_dp", self.min_dp)
         if not self.tp_options:
-            raise ConfigError("tp_options is empty", "List at least one tensor-parallel degree, e.g. (1,).")
+            raise ConfigError(
+                "tp_options is empty", "List at least one tensor-parallel degree, e.g. (1,)."
+            )
         for tp in self.tp_options:
             _check_positive("each of tp_options", tp)
         if (self.max_params_per_rank is None) != (self.n_params is None):

@@ -144,7 +144,9 @@ def test_coords_of_a_known_rank() -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("axis", ["pp", "dp", "tp"])
-def test_groups_share_all_other_coordinates_and_partition_the_world(layout: Layout, axis: str) -> None:
+def test_groups_share_all_other_coordinates_and_partition_the_world(
+    layout: Layout, axis: str
+) -> None:
     groups = layout.all_groups(axis)
     assert sorted(r for g in groups for r in g) == list(range(layout.world_size))
     for group in groups:
