@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -216,8 +216,9 @@ class ElasticSampler:
         """Continue from ``state``, seed included, so the permutation is the saved run's.
 
         Raises:
-            ConfigError: keys are missing, or the dataset length or global batch size differ
-                from this sampler's (resuming would repeat or skip samples).
+            ConfigError: keys are missing, a count is out of range, or the dataset length or
+                global batch size differ from this sampler's (resuming would repeat or skip
+                samples). The sampler is unchanged then.
         """
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
@@ -234,9 +235,8 @@ class ElasticSampler:
                     f"Build the sampler with {key}={values[key]} (the saved run's), "
                     "or start the run afresh.",
                 )
-        if values["epoch"] < 0 or values["step"] < 0 or not (
-            0 <= values["position"] < self._dataset_len
-        ) or self._is_epoch_done(values["position"]):
+        is_counted = min(values["epoch"], values["step"], values["position"]) >= 0
+        if not is_counted or self._is_epoch_done(values["position"]):
             raise ConfigError(
                 f"sampler state {values} is out of range",
                 "Load a state written by ElasticSampler.state_dict().",

@@ -124,6 +124,7 @@ def test_state_dict_is_json_and_resumes_the_same_batches() -> None:
         ({"global_batch_size": 4}, "global_batch_size 4"),
         ({"position": 50}, "out of range"),
         ({"epoch": -1}, "out of range"),
+        ({"position": -8}, "out of range"),
     ],
 )
 def test_load_state_dict_rejects_a_state_that_does_not_fit(
@@ -138,10 +139,10 @@ def test_load_state_dict_rejects_a_state_that_does_not_fit(
 
 
 def test_load_state_dict_names_missing_keys() -> None:
+    state = ElasticSampler(5, global_batch_size=2).state_dict()
+    del state["position"]
     with pytest.raises(ConfigError, match="lacks position"):
-        ElasticSampler(5, global_batch_size=2).load_state_dict({"seed": 0, "epoch": 0, "step": 0,
-                                                                 "global_batch_size": 2,
-                                                                 "dataset_len": 5})
+        ElasticSampler(5, global_batch_size=2).load_state_dict(state)
 
 
 @pytest.mark.parametrize(
