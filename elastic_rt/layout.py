@@ -16,8 +16,8 @@ This module only does arithmetic: building process groups from the rank lists is
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from elastic_rt.errors import ConfigError
