@@ -1,0 +1,165 @@
+"""This round's torch process groups, built from the layout, and their teardown.
+
+This is the only module that creates or destroys torch process groups. Each round gets a
+fresh set: the default (world) group bootstraps from ``PrefixStore(prefix, store)`` with a
+per-round prefix such as ``/elastic_rt/<run_id>/round-<k>/`` (torchft's per-quorum prefix),
+so keys left by an earlier round, or by a worker of that round still shutting down, can never
+be mistaken for this round's. Then one group per mesh axis (``pp``, ``dp``, ``tp``) is built
+with ``new_group`` and the three are wrapped in a :class:`DeviceMesh` for DTensor.
+
+Guarantees: :func:`init_groups` can be called again in the same process after
+:func:`destroy_groups`, any number of times, with another world size and layout.
+:func:`destroy_groups` never raises and never waits on a peer, so it is safe after a peer died.
+
+Does not guarantee: that the groups survive a peer's death; a collective on a broken group
+fails (or times out after ``timeout``) and the caller re-forms.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from elastic_rt.layout import AXES, Layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups of one round, as seen by one rank.
+
+    Attributes:
+        layout: the round's layout; ``world.size() == layout.world_size``.
+        rank: this worker's rank in ``world``.
+        world: the default group of the round (all ranks).
+        dp: the ranks holding replicas of this rank's shard (same ``pp`` and ``tp``).
+        pp: the pipeline stages of this rank's replica (same ``dp`` and ``tp``).
+        tp: the ranks sharing this rank's stage by tensor split (same ``pp`` and ``dp``).
+        mesh: a ``("pp", "dp", "tp")`` mesh over the same groups, for DTensor.
+        backend: ``"gloo"`` or ``"nccl"``.
+    """
+
+    layout: Layout
+    rank: int
+    world: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    mesh: DeviceMesh | None
+    backend: str
+
+    def axis(self, name: str) -> dist.ProcessGroup:
+        """The group along mesh axis ``name`` (``"pp"``, ``"dp"`` or ``"tp"``)."""
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}[name]
+
+
+def pick_backend() -> str:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_groups(
+    store: dist.Store,
+    *,
+    rank: int,
+    world_size: int,
+    layout: Layout,
+    prefix: str,
+    timeout: timedelta,
+    backend: str | None = None,
+) -> Groups:
+    """Create this round's world group, one group per mesh axis, and the mesh. Collective.
+
+    Every rank of the round must call this with the same ``layout``, ``prefix`` and
+    ``world_size``; it returns once all of them have joined.
+
+    Args:
+        store: the round's store (shared by all ranks); only keys under ``prefix`` are used.
+        rank: this worker's rank in the round.
+        world_size: the number of ranks in the round; must equal ``layout.world_size``.
+        layout: how the ranks split into ``pp``, ``dp`` and ``tp``.
+        prefix: a key prefix unique to the round, e.g. ``/elastic_rt/<run_id>/round-<k>/``.
+        timeout: how long any collective (including this set-up) waits for a peer.
+        backend: ``"gloo"`` or ``"nccl"``; :func:`pick_backend` when ``None``.
+
+    Raises:
+        ValueError: ``world_size`` does not match the layout, or ``rank`` is out of range.
+        RuntimeError: groups already exist in this process (call :func:`destroy_groups` first),
+            or a peer did not join within ``timeout``.
+    """
+    if world_size != layout.world_size or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world {world_size} does not fit layout {layout}")
+    if dist.is_initialized():
+        raise RuntimeError("process groups already exist; destroy_groups() the previous round's first")
+    backend = backend or pick_backend()
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, timeout=timeout
+    )
+    mine = {axis: _axis_group(layout, axis, rank, timeout, backend) for axis in AXES}
+    mesh = DeviceMesh.from_group(
+        [mine[axis] for axis in AXES],
+        "cuda" if backend == "nccl" else "cpu",
+        mesh=torch.arange(world_size).reshape(layout.pp, layout.dp, layout.tp),
+        mesh_dim_names=AXES,
+    )
+    logger.info("Process groups ready: rank %s of %s, layout %s, backend %s", rank, world_size, layout, backend)
+    world = dist.group.WORLD
+    assert world is not None  # init_process_group just set it
+    return Groups(layout=layout, rank=rank, world=world, mesh=mesh, backend=backend, **mine)
+
+
+def _axis_group(layout: Layout, axis: str, rank: int, timeout: timedelta, backend: str) -> dist.ProcessGroup:
+    # new_group is collective over the whole world: every rank creates every group of the
+    # axis, in the same order, and keeps the one it belongs to.
+    mine: dist.ProcessGroup | None = None
+    for ranks in layout.all_groups(axis):
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        if rank in ranks:
+            mine = group
+    assert mine is not None  # all_groups covers every rank
+    return mine
+
+
+def destroy_groups(groups: Groups | None) -> None:
+    """Destroy every process group of the round (default group included). Never raises.
+
+    Safe on groups broken by a dead peer: gloo's teardown only closes sockets, and NCCL
+    communicators are aborted first so that nothing waits on a peer. ``None`` is a no-op, so
+    the loop can call this before its first round.
+    """
+    if groups is None or not dist.is_initialized():
+        return
+    if groups.backend == "nccl":
+        _abort_nccl()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # a broken group may fail its own shutdown; the next round must still start
+        logger.warning("Destroying the process groups of layout %s failed; continuing", groups.layout, exc_info=True)
+    _forget_sharding_cache()
+    logger.info("Process groups of layout %s destroyed", groups.layout)
+
+
+def _abort_nccl() -> None:
+    # ncclCommDestroy waits for outstanding work, which never completes when a peer is gone;
+    # abort does not wait.
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:
+        logger.warning("Aborting NCCL communicators failed; destroying anyway", exc_info=True)
+
+
+def _forget_sharding_cache() -> None:
+    # DTensor caches sharding decisions keyed by mesh equality, and a new round's mesh of the
+    # same shape compares equal to the old one: stale entries would point at destroyed groups.
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in vars(propagator).values():
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()

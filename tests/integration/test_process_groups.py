@@ -1,0 +1,101 @@
+"""Process groups built from a layout, in real gloo processes, re-formed round after round."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_rt.layout import Layout
+from elastic_rt.process_groups import destroy_groups, init_groups, pick_backend
+from tests.fixtures.torchdist import WorkerEnv, run_workers
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = timedelta(seconds=10)
+
+
+def _allreduce_sum(value: float, group: dist.ProcessGroup) -> float:
+    tensor = torch.tensor([value])
+    dist.all_reduce(tensor, group=group)
+    return tensor.item()
+
+
+def _form(env: WorkerEnv, layout: Layout, round_: int, timeout: timedelta = TIMEOUT):
+    return init_groups(
+        env.store, rank=env.rank, world_size=layout.world_size, layout=layout,
+        prefix=f"/elastic_rt/test/round-{round_}/", timeout=timeout,
+    )
+
+
+def _reform_three_then_two(env: WorkerEnv) -> list[float]:
+    groups = _form(env, Layout(dp=3), 0)
+    sums = [_allreduce_sum(env.rank + 1, groups.world)]
+    destroy_groups(groups)
+    if env.rank == 2:
+        return sums  # this worker leaves; the other two form the next round without it
+    groups = _form(env, Layout(dp=2), 1)
+    sums.append(_allreduce_sum(env.rank + 1, groups.world))
+    sums.append(_allreduce_sum(10 * (env.rank + 1), groups.dp))
+    destroy_groups(groups)
+    return sums
+
+
+def test_groups_re_form_with_a_smaller_world_in_the_same_processes() -> None:
+    results = run_workers(_reform_three_then_two, 3, timeout_s=60)
+    assert results[0] == results[1] == [6.0, 3.0, 30.0]
+    assert results[2] == [6.0]
+
+
+def _axis_sums(env: WorkerEnv) -> dict[str, object]:
+    layout = Layout(dp=2, pp=2)
+    groups = _form(env, layout, 0)
+    out: dict[str, object] = {axis: _allreduce_sum(2 ** env.rank, groups.axis(axis)) for axis in ("pp", "dp", "tp")}
+    out["world"] = _allreduce_sum(2 ** env.rank, groups.world)
+    out["mesh"] = groups.mesh.mesh.tolist()
+    out["mesh_dp_ranks"] = dist.get_process_group_ranks(groups.mesh.get_group("dp"))
+    destroy_groups(groups)
+    return out
+
+
+def test_each_axis_group_holds_the_ranks_the_layout_names() -> None:
+    layout = Layout(dp=2, pp=2)
+    results = run_workers(_axis_sums, 4, timeout_s=60)
+    for rank, out in enumerate(results):
+        for axis in ("pp", "dp", "tp"):
+            assert out[axis] == sum(2 ** r for r in layout.group_ranks(axis, rank)), (rank, axis)
+        assert out["world"] == 15
+        assert out["mesh"] == [[[0], [1]], [[2], [3]]]
+        assert out["mesh_dp_ranks"] == layout.group_ranks("dp", rank)
+
+
+def _survive_a_dead_peer(env: WorkerEnv) -> list[float]:
+    # Survivors notice the loss at different times: one at once (its socket to the dead peer
+    # resets), another only when its collective times out. So the next round must wait for
+    # peers longer than a collective waits for them.
+    groups = _form(env, Layout(dp=3), 0, timeout=timedelta(seconds=2))
+    _allreduce_sum(1, groups.world)
+    if env.rank == 2:
+        os._exit(0)  # a node dies without saying goodbye
+    try:
+        _allreduce_sum(1, groups.world)
+        raise AssertionError("an allreduce with a dead peer succeeded")
+    except RuntimeError:
+        pass
+    destroy_groups(groups)
+    groups = _form(env, Layout(dp=2), 1, timeout=timedelta(seconds=20))
+    result = [_allreduce_sum(env.rank + 1, groups.world)]
+    destroy_groups(groups)
+    return result
+
+
+def test_survivors_destroy_broken_groups_and_form_new_ones() -> None:
+    results = run_workers(_survive_a_dead_peer, 3, timeout_s=60, may_die=frozenset({2}))
+    assert results == [[3.0], [3.0], None]
+
+
+def test_pick_backend_is_gloo_without_cuda() -> None:
+    assert pick_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
