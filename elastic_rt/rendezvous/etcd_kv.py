@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from typing import Any, Callable, TypeVar
 
-import etcd3
+# gRPC's core logs an INFO line at every fork (the agent forks workers); keep errors only.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import etcd3  # noqa: E402 - after the gRPC setting above
 import etcd3.watch
-import grpc
-import six
+import grpc  # noqa: E402
+import six  # noqa: E402
 
 
 from elastic_rt.config import EtcdAuth

@@ -1,0 +1,395 @@
+"""The launch agent: one per node. Rendezvous, start and watch workers, recover.
+
+The agent never imports torch (it stays small and starts fast). Its loop:
+
+1. Read a snapshot of the run's keys and :func:`~elastic_rt.rendezvous.rounds.decide`.
+2. Propose a round when the decision says so (one proposer wins the compare).
+3. For a new round it belongs to: stop the old workers, agree on the c10d store
+   address (the round's first node hosts it), start the new workers.
+4. Watch the workers. A failure makes the agent probe its peers: a dead peer is
+   evicted at once (a membership change, free); otherwise the failure is counted
+   against the job-wide restart budget and every node restarts in a new round.
+
+A node that cannot renew its lease stops its workers before the TTL runs out
+(self-fencing, from the lease thread) and joins again once etcd answers. SIGTERM
+or SIGINT makes a graceful leave: workers stopped, lease revoked, peers re-form.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import FrameType
+
+from agents.alive import AliveServer, Liveness, probe
+from agents.worker_env import worker_envs
+from agents.workers import WorkerExit, WorkerGroup, WorkerState
+from elastic_rt.config import EVENTS_FILE_ENV, ENDPOINT_ENV, RendezvousConfig
+from elastic_rt.errors import (
+    EndpointUnreachableError,
+    RendezvousTimeoutError,
+    StoreConnectionError,
+    StoreError,
+)
+from elastic_rt.etcd_server import free_port
+from elastic_rt.events import EventSink
+from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.kv import KVStore
+from elastic_rt.rendezvous.lease import LeaseKeeper
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.rounds import (
+    Closed,
+    Limits,
+    NodeInfo,
+    Participate,
+    Propose,
+    Round,
+    Wait,
+    decide,
+    restart_round,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Everything one node's agent needs."""
+
+    rendezvous: RendezvousConfig
+    command: list[str]
+    """The worker command line (``python train.py --lr 3e-4``)."""
+    nproc_per_node: int = 1
+    max_restarts: int = 3
+    """Worker failures the whole job may absorb; membership changes are free."""
+    monitor_interval: timedelta = timedelta(seconds=0.1)
+    node_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    host: str = "127.0.0.1"
+    """Address other nodes reach this one's workers at (MASTER_ADDR when it is rank 0)."""
+    events_file: str | None = None
+    grace_period: timedelta = timedelta(seconds=3)
+    """SIGTERM to SIGKILL when stopping workers."""
+    store_wait: timedelta = timedelta(seconds=30)
+
+
+class Agent:
+    """One node's launch agent. ``run()`` returns the process exit code."""
+
+    def __init__(self, config: AgentConfig, kv: KVStore | None = None) -> None:
+        self.config = config
+        rdzv = config.rendezvous
+        self.kv = kv or EtcdKV(rdzv.endpoint, auth=rdzv.auth)
+        self.registry = RunRegistry(self.kv, rdzv.run_id)
+        self.events = EventSink(
+            config.events_file, source="agent", run_id=rdzv.run_id, node=config.node_id
+        )
+        self.workers = WorkerGroup(grace_period=config.grace_period.total_seconds())
+        self.alive = AliveServer(config.host)
+        self.info = NodeInfo(
+            node_id=config.node_id,
+            host=config.host,
+            nproc=config.nproc_per_node,
+            alive_addr=self.alive.address,
+        )
+        self.keeper = LeaseKeeper(
+            self.registry, self.info, int(rdzv.lease_ttl.total_seconds()), on_fenced=self._fence
+        )
+        self._wake = threading.Event()
+        self._leave_signal: int | None = None
+        self._fenced_round: int | None = None
+        self.running_round: Round | None = None
+        self.restart_count = 0
+        self._ever_ran = False
+
+    # entry point ---------------------------------------------------------------
+    def run(self) -> int:
+        """Run until the job ends; returns the exit code for the agent process.
+
+        Raises:
+            EndpointUnreachableError: etcd did not answer at start.
+            RendezvousTimeoutError: too few nodes joined within the join timeout.
+        """
+        self._install_signal_handlers()
+        self._join()
+        cancel_watch = self.kv.on_change(self.registry.prefix, self._wake.set)
+        try:
+            return self._loop()
+        finally:
+            cancel_watch()
+            self.workers.stop()
+            self.keeper.stop(revoke=True)
+            self.alive.close()
+            self.kv.close()
+
+    def _join(self) -> None:
+        try:
+            snapshot = self.registry.snapshot()
+            if (snapshot.closed is not None or snapshot.completing) and not snapshot.nodes:
+                # A finished run with nobody left: a new launch with the same id starts afresh.
+                self.kv.delete_prefix(self.registry.prefix)
+            self.keeper.start()
+        except StoreConnectionError as exc:
+            raise EndpointUnreachableError(
+                f"cannot reach etcd at {self.config.rendezvous.endpoint}",
+                "Start etcd there (elastic-rt etcd) or fix --rdzv-endpoint.",
+            ) from exc
+        self.events.emit("node.joined", host=self.info.host, nproc=self.info.nproc)
+        logger.info("node %s registered for run %s", self.info.node_id, self.registry.run_id)
+
+    def _loop(self) -> int:
+        rdzv = self.config.rendezvous
+        limits = Limits(
+            min_nodes=rdzv.min_nodes,
+            max_nodes=rdzv.max_nodes,
+            last_call=rdzv.last_call.total_seconds(),
+        )
+        started = time.monotonic()
+        quorum_since: float | None = None
+        while True:
+            if self._leave_signal is not None:
+                return self._leave()
+            try:
+                snapshot = self.registry.snapshot()
+            except StoreError as exc:
+                logger.warning("etcd unavailable (%s); workers keep running", exc)
+                self._sleep(self.config.monitor_interval.total_seconds() * 5)
+                continue
+            action = decide(
+                snapshot,
+                self.info.node_id,
+                limits,
+                now=time.monotonic(),
+                quorum_since=quorum_since,
+                now_ms=int(time.time() * 1000),
+            )
+            if isinstance(action, Closed):
+                return self._closed(action.reason)
+            if isinstance(action, Propose):
+                self._propose(action)
+                continue
+            if isinstance(action, Wait):
+                quorum_since = action.quorum_since
+                if action.stop_workers or self.running_round is not None:
+                    self._stop_workers(f"waiting: {action.reason}")
+                if not self._ever_ran:
+                    if time.monotonic() - started > rdzv.join_timeout.total_seconds():
+                        raise RendezvousTimeoutError(
+                            f"only {len(snapshot.nodes)} of {rdzv.min_nodes} nodes joined run "
+                            f"{rdzv.run_id!r} within {rdzv.join_timeout.total_seconds():.0f} s",
+                            "Start more nodes, lower --nnodes MIN, or raise --join-timeout.",
+                        )
+                self._sleep(0.5)
+                continue
+            exit_code = self._participate(action)
+            if exit_code is not None:
+                return exit_code
+
+    # rounds --------------------------------------------------------------------
+    def _propose(self, action: Propose) -> None:
+        began = time.monotonic()
+        written = self.registry.propose(action)
+        if written is None:
+            return
+        lost = [m for m in (self.running_round.members if self.running_round else ()) if m not in written.members]
+        for node in lost:
+            self.events.emit("node.lost", round=written.number, lost=node)
+        self.events.emit(
+            "round.formed",
+            round=written.number,
+            world_size=written.world_size,
+            members=list(written.members),
+            reason=written.reason,
+            duration_ms=int((time.monotonic() - began) * 1000),
+        )
+        logger.info("round %d formed: %s (%s)", written.number, ",".join(written.members), written.reason)
+
+    def _participate(self, action: Participate) -> int | None:
+        round_ = action.round
+        if self._fenced_round is not None:
+            # We stopped our workers while cut off; everyone restarts in a new round.
+            fenced, self._fenced_round = self._fenced_round, None
+            if fenced == round_.number:
+                self._propose(restart_round(round_, f"{self.info.node_id} rejoined", _now_ms()))
+                return None
+        if self.running_round is None or self.running_round.number != round_.number:
+            self._start_round(round_)
+            return None
+        state, exits = self.workers.poll()
+        if state is WorkerState.SUCCEEDED:
+            return self._succeeded()
+        if state is WorkerState.FAILED:
+            return self._workers_failed(round_, exits)
+        self._sleep(self.config.monitor_interval.total_seconds())
+        return None
+
+    def _start_round(self, round_: Round) -> None:
+        if self.running_round is not None:
+            self._stop_workers(f"round {round_.number} formed")
+            self.restart_count += 1
+        master = self._agree_on_store(round_)
+        if master is None:
+            return
+        envs = worker_envs(
+            os.environ,
+            round_,
+            self.info.node_id,
+            run_id=self.registry.run_id,
+            master=master,
+            restart_count=self.restart_count,
+            max_restarts=self.config.max_restarts,
+            extras=self._extras(),
+        )
+        pids = self.workers.start(self.config.command, envs)
+        self.running_round = round_
+        self._ever_ran = True
+        self.events.emit(
+            "worker.started" if self.restart_count == 0 else "worker.restarted",
+            round=round_.number,
+            pids=pids,
+            world_size=round_.world_size,
+            restart_count=self.restart_count,
+        )
+
+    def _agree_on_store(self, round_: Round) -> tuple[str, int] | None:
+        """The round's first node picks the c10d store port; the others read it.
+
+        The store lives in that node's rank-0 worker (torchrun's env:// rendezvous)
+        and is re-hosted by the first member of every new round, so it never
+        outlives the node it depends on.
+        """
+        if round_.members[0] == self.info.node_id:
+            address = f"{self.info.host}:{free_port(self.info.host)}"
+            self.registry.publish_store(round_, address)
+        deadline = time.monotonic() + self.config.store_wait.total_seconds()
+        while time.monotonic() < deadline:
+            address = self.registry.store_address(round_.number)
+            if address:
+                host, _, port = address.rpartition(":")
+                return host, int(port)
+            current = self.registry.current_round()
+            if current is None or current.number != round_.number:
+                return None
+            self._sleep(0.05)
+        logger.warning("no store address for round %d; waiting for the next round", round_.number)
+        return None
+
+    def _extras(self) -> dict[str, str]:
+        extras = {ENDPOINT_ENV: self.config.rendezvous.endpoint}
+        extras.update(self.config.rendezvous.auth.to_env())
+        if self.config.events_file:
+            extras[EVENTS_FILE_ENV] = self.config.events_file
+        return extras
+
+    # worker outcomes -------------------------------------------------------------
+    def _succeeded(self) -> int:
+        self.registry.mark_completing()
+        self.events.emit("job.finished", round=self.running_round.number if self.running_round else None)
+        self.keeper.stop(revoke=True)
+        remaining = [n for n in self.registry.nodes() if self.running_round and n in self.running_round.members]
+        if not remaining:
+            self.registry.close("finished")
+        logger.info("workers finished; node %s leaves", self.info.node_id)
+        return 0
+
+    def _workers_failed(self, round_: Round, exits: list[WorkerExit]) -> int | None:
+        failed = [e for e in exits if e.exitcode != 0]
+        for e in failed:
+            self.events.emit("worker.failed", round=round_.number, local_rank=e.local_rank, pid=e.pid, exitcode=e.exitcode)
+        self.workers.stop()
+        self.running_round = None
+        snapshot = self.registry.snapshot()
+        if snapshot.completing:
+            self.registry.close(f"failed: a worker exited with {failed[0].exitcode} while the job was finishing")
+            return 1
+        if snapshot.round is None or snapshot.round.number != round_.number:
+            return None
+        if self._evict_dead_peers(round_):
+            return None
+        first = failed[0]
+        what = f"worker {first.local_rank} on {self.info.node_id} exited with {first.exitcode}"
+        if not self.registry.claim_failure(round_.number, what):
+            return None
+        count = self.registry.count_restart()
+        if count > self.config.max_restarts:
+            self.registry.close(
+                f"failed: {what}; the restart budget of {self.config.max_restarts} is spent"
+            )
+            return 1
+        self._propose(restart_round(round_, f"{what} (restart {count}/{self.config.max_restarts})", _now_ms()))
+        return None
+
+    def _evict_dead_peers(self, round_: Round) -> list[str]:
+        """Probe every other member; evict those whose agent is certainly gone."""
+        registered = self.registry.nodes()
+        dead = []
+        for member in round_.members:
+            if member == self.info.node_id:
+                continue
+            info = registered.get(member)
+            if info is None:
+                dead.append(member)
+                continue
+            if info.alive_addr and probe(info.alive_addr) is Liveness.DEAD:
+                self.registry.evict(info)
+                dead.append(member)
+        if dead:
+            logger.warning("peers gone: %s", ",".join(dead))
+        return dead
+
+    def _stop_workers(self, why: str) -> None:
+        if self.workers.pids:
+            logger.info("stopping workers: %s", why)
+        self.workers.stop()
+        if self.running_round is not None:
+            self.running_round = None
+
+    # fencing, leaving, closing -----------------------------------------------------
+    def _fence(self, why: str) -> None:
+        """Called from the lease thread: stop training before others declare us dead."""
+        self._fenced_round = self.running_round.number if self.running_round else None
+        self.workers.stop()
+        self.running_round = None
+        self.events.emit("agent.fenced", reason=why)
+        self._wake.set()
+
+    def _leave(self) -> int:
+        signum = self._leave_signal or signal.SIGTERM
+        self.workers.stop()
+        self.keeper.stop(revoke=True)
+        self.events.emit("node.left", signal=signal.Signals(signum).name)
+        logger.info("node %s left on %s", self.info.node_id, signal.Signals(signum).name)
+        return 128 + signum
+
+    def _closed(self, reason: str) -> int:
+        self.workers.stop()
+        if reason.startswith("failed"):
+            logger.error("job stopped: %s", reason)
+            self.events.emit("agent.exited", reason=reason, exitcode=1)
+            return 1
+        self.events.emit("agent.exited", reason=reason, exitcode=0)
+        return 0
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            self._leave_signal = signum
+            self._wake.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

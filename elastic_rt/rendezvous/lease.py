@@ -1,0 +1,104 @@
+"""A node's registration on a lease kept alive from a thread, with self-fencing.
+
+The shape of etcd's own ``Session``: a lease kept alive for the lifetime of a
+client. If the keeper cannot renew for ``ttl - margin`` seconds, the others may
+already have declared this node dead, so it calls ``on_fenced`` *before* the TTL
+runs out: the agent stops its workers, and a cut-off node never trains on alone.
+When the store answers again, the node registers afresh on a new lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from elastic_rt.errors import StoreError
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.rounds import NodeInfo
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    """Registers ``info`` under a lease of ``ttl`` seconds and keeps it alive.
+
+    Args:
+        registry: the run's keys.
+        info: this node's record.
+        ttl: lease time-to-live in whole seconds.
+        on_fenced: called from the keeper thread when renewal has failed for
+            ``ttl - margin`` seconds, or the lease was found expired.
+        on_registered: called after each (re-)registration with the new lease id.
+    """
+
+    def __init__(
+        self,
+        registry: RunRegistry,
+        info: NodeInfo,
+        ttl: int,
+        *,
+        on_fenced: Callable[[str], None],
+        on_registered: Callable[[int], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.info = info
+        self.ttl = ttl
+        self.margin = min(1.0, ttl / 3)
+        self.on_fenced = on_fenced
+        self.on_registered = on_registered
+        self.lease_id: int | None = None
+        self.is_fenced = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._last_renewed = 0.0
+
+    def start(self) -> None:
+        """Register now (raising store errors to the caller), then keep alive."""
+        self._register()
+        self._thread.start()
+
+    def _register(self) -> None:
+        self.lease_id = self.registry.kv.grant_lease(self.ttl)
+        self.registry.register(self.info, self.lease_id)
+        self._last_renewed = time.monotonic()
+        self.is_fenced = False
+        if self.on_registered:
+            self.on_registered(self.lease_id)
+
+    def _run(self) -> None:
+        interval = max(0.2, self.ttl / 4)
+        while not self._stop.wait(interval):
+            try:
+                if self.is_fenced:
+                    self._register()
+                    logger.info("re-registered %s on lease %x", self.info.node_id, self.lease_id)
+                    continue
+                assert self.lease_id is not None
+                if self.registry.kv.refresh_lease(self.lease_id):
+                    self._last_renewed = time.monotonic()
+                else:
+                    self._fence("lease expired")
+            except StoreError as exc:
+                logger.debug("lease renewal failed: %s", exc)
+                if not self.is_fenced and time.monotonic() - self._last_renewed > self.ttl - self.margin:
+                    self._fence(f"could not renew the lease for {self.ttl - self.margin:.1f} s")
+            except Exception:  # noqa: BLE001 - thread boundary: log, keep the node fenced-safe
+                logger.exception("lease keeper error")
+
+    def _fence(self, why: str) -> None:
+        self.is_fenced = True
+        logger.warning("node %s fenced itself: %s", self.info.node_id, why)
+        self.on_fenced(why)
+
+    def stop(self, *, revoke: bool = True) -> None:
+        """Stop renewing; with ``revoke`` the registration goes at once (a graceful leave)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if revoke and self.lease_id is not None and not self.is_fenced:
+            try:
+                self.registry.kv.revoke_lease(self.lease_id)
+            except StoreError:
+                logger.debug("revoking lease on leave failed", exc_info=True)

@@ -1,0 +1,150 @@
+"""Typed reads and writes of one run's keys in the store.
+
+Key layout under ``/elastic_rt/<run_id>/``:
+
+==================  ===========================================================
+``nodes/<node>``    :class:`NodeInfo` on the node's lease (gone when it dies)
+``round``           the current :class:`Round`; its mod_revision is the token
+``store/<k>``       ``host:port`` of round k's c10d store, written by its host
+``restarts``        worker failures so far (the job-wide restart budget)
+``failure/<k>``     the first worker failure reported in round k
+``alarm``           a worker saw a collective fail; agents probe their peers
+``completing``      some node's workers all succeeded; no more rounds
+``closed``          why the job ended (finished or failed); agents exit
+``checkpoint``      name of the last committed checkpoint, written fenced
+==================  ===========================================================
+
+Two run ids never share a key, so two jobs on one etcd never see each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from elastic_rt.errors import FencedOutError
+from elastic_rt.rendezvous.kv import KVStore
+from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
+
+
+class RunRegistry:
+    """The keys of one run on a :class:`KVStore`."""
+
+    def __init__(self, kv: KVStore, run_id: str) -> None:
+        self.kv = kv
+        self.run_id = run_id
+        self.prefix = f"/elastic_rt/{run_id}/"
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    # membership ---------------------------------------------------------------
+    def register(self, info: NodeInfo, lease: int) -> None:
+        self.kv.put(self.key(f"nodes/{info.node_id}"), info.to_json(), lease=lease)
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        nodes = {}
+        for item in self.kv.get_prefix(self.key("nodes/")):
+            info = NodeInfo.from_json(
+                item.value, joined_revision=item.create_revision, lease=item.lease
+            )
+            nodes[info.node_id] = info
+        return nodes
+
+    def evict(self, info: NodeInfo) -> None:
+        """Revoke a dead node's lease so its key (and anything else on it) goes now."""
+        self.kv.revoke_lease(info.lease)
+
+    def snapshot(self) -> Snapshot:
+        # One range read of the whole run: O(nodes) per poll, one round trip.
+        items = {kv.key[len(self.prefix) :]: kv for kv in self.kv.get_prefix(self.prefix)}
+        nodes = {}
+        for name, item in items.items():
+            if name.startswith("nodes/"):
+                info = NodeInfo.from_json(
+                    item.value, joined_revision=item.create_revision, lease=item.lease
+                )
+                nodes[info.node_id] = info
+        round_kv = items.get("round")
+        closed = items.get("closed")
+        return Snapshot(
+            round=Round.from_json(round_kv.value, token=round_kv.mod_revision) if round_kv else None,
+            nodes=nodes,
+            closed=closed.value.decode() if closed else None,
+            completing="completing" in items,
+        )
+
+    def current_round(self) -> Round | None:
+        item = self.kv.get(self.key("round"))
+        return Round.from_json(item.value, token=item.mod_revision) if item else None
+
+    def propose(self, proposal: Propose) -> Round | None:
+        """Write the proposed round; None when another proposer won."""
+        token = self.kv.put_if(
+            self.key("round"),
+            proposal.round.to_json(),
+            expect={self.key("round"): proposal.expected_token},
+        )
+        if token is None:
+            return None
+        return dataclasses.replace(proposal.round, token=token)
+
+    # the round's c10d store ----------------------------------------------------
+    def publish_store(self, round_: Round, address: str) -> None:
+        self.kv.put(self.key(f"store/{round_.number}"), address.encode())
+
+    def store_address(self, round_number: int) -> str | None:
+        item = self.kv.get(self.key(f"store/{round_number}"))
+        return item.value.decode() if item else None
+
+    # job state -----------------------------------------------------------------
+    def restarts(self) -> int:
+        item = self.kv.get(self.key("restarts"))
+        return int(item.value) if item else 0
+
+    def count_restart(self) -> int:
+        """Add one worker failure to the job-wide budget; returns the new count."""
+        while True:
+            item = self.kv.get(self.key("restarts"))
+            count = (int(item.value) if item else 0) + 1
+            expect = {self.key("restarts"): item.mod_revision if item else 0}
+            if self.kv.put_if(self.key("restarts"), str(count).encode(), expect=expect):
+                return count
+
+    def claim_failure(self, round_number: int, what: str) -> bool:
+        """True for the first node to report a worker failure in this round.
+
+        A failed worker usually takes its peers' collectives down with it, so
+        every node sees a failure; only the first report counts against the budget.
+        """
+        key = self.key(f"failure/{round_number}")
+        return self.kv.put_if(key, what.encode(), expect={key: 0}) is not None
+
+    def raise_alarm(self, round_number: int, reporter: str) -> None:
+        payload = {"round": round_number, "reporter": reporter, "ms": int(time.time() * 1000)}
+        self.kv.put(self.key("alarm"), json.dumps(payload).encode())
+
+    def mark_completing(self) -> None:
+        self.kv.put(self.key("completing"), b"1")
+
+    def close(self, reason: str) -> None:
+        self.kv.put_if(self.key("closed"), reason.encode(), expect={self.key("closed"): 0})
+
+    def closed_reason(self) -> str | None:
+        item = self.kv.get(self.key("closed"))
+        return item.value.decode() if item else None
+
+    # fenced commits --------------------------------------------------------------
+    def commit_fenced(self, name: str, value: bytes, token: int) -> int:
+        """Write ``name`` only while the round written at ``token`` is current.
+
+        Raises:
+            FencedOutError: a newer round exists; the writer belongs to an old one.
+        """
+        revision = self.kv.put_if(self.key(name), value, expect={self.key("round"): token})
+        if revision is None:
+            raise FencedOutError(
+                f"commit of {name!r} refused: round token {token} is no longer current"
+            )
+        return revision

@@ -1,0 +1,277 @@
+"""Round formation as pure decisions over a snapshot of the store.
+
+A *round* is one agreed membership: the member nodes in group-rank order and the
+fencing token (the etcd revision that wrote it). Every agent reads a
+:class:`Snapshot`, calls :func:`decide`, and acts on the answer; when the answer is
+:class:`Propose`, it writes the round with a compare on the previous round's
+revision, so exactly one proposer wins and the others re-read.
+
+Nothing here sleeps, reads a clock or touches etcd: time comes in as ``now`` and
+the last-call start as ``quorum_since``, which makes every rule a unit test.
+
+Rules:
+- The first round forms when ``max_nodes`` are registered, or when ``min_nodes``
+  have been registered for ``last_call`` seconds.
+- A round whose member is gone is replaced at once by the survivors plus any
+  waiting nodes (up to ``max_nodes``), if at least ``min_nodes`` remain.
+- Waiting nodes are taken in at once while the round has fewer than ``max_nodes``.
+- Survivors keep their relative order, so their ranks move as little as possible.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Mapping
+
+from elastic_rt.errors import StoreStateError
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A registered node, as stored under ``nodes/<node_id>`` on its lease."""
+
+    node_id: str
+    host: str
+    nproc: int
+    alive_addr: str = ""
+    """``host:port`` of the agent's liveness socket; refused means the agent is dead."""
+    joined_revision: int = 0
+    """The key's create revision: the order in which nodes arrived."""
+    lease: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {"node_id": self.node_id, "host": self.host, "nproc": self.nproc,
+             "alive_addr": self.alive_addr}
+        ).encode()  # fmt: skip
+
+    @classmethod
+    def from_json(cls, raw: bytes, *, joined_revision: int = 0, lease: int = 0) -> "NodeInfo":
+        data = _loads(raw, "node record")
+        return cls(
+            node_id=str(data["node_id"]),
+            host=str(data["host"]),
+            nproc=int(data["nproc"]),
+            alive_addr=str(data.get("alive_addr", "")),
+            joined_revision=joined_revision,
+            lease=lease,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One agreed membership. ``members[i]`` has group rank ``i``."""
+
+    number: int
+    members: tuple[str, ...]
+    nprocs: tuple[int, ...]
+    hosts: tuple[str, ...]
+    reason: str = ""
+    created_ms: int = 0
+    token: int = 0
+    """mod_revision of the round key as read; not stored in the value itself."""
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.nprocs)
+
+    def group_rank(self, node_id: str) -> int:
+        return self.members.index(node_id)
+
+    def rank_offset(self, node_id: str) -> int:
+        """Global rank of the node's first worker."""
+        return sum(self.nprocs[: self.group_rank(node_id)])
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "number": self.number,
+                "members": list(self.members),
+                "nprocs": list(self.nprocs),
+                "hosts": list(self.hosts),
+                "reason": self.reason,
+                "created_ms": self.created_ms,
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, *, token: int = 0) -> "Round":
+        data = _loads(raw, "round record")
+        return cls(
+            number=int(data["number"]),
+            members=tuple(data["members"]),
+            nprocs=tuple(int(n) for n in data["nprocs"]),
+            hosts=tuple(data["hosts"]),
+            reason=str(data.get("reason", "")),
+            created_ms=int(data.get("created_ms", 0)),
+            token=token,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What the store held at one moment."""
+
+    round: Round | None
+    nodes: Mapping[str, NodeInfo]
+    closed: str | None = None
+    """Why the job was closed (finished or failed); None while it runs."""
+    completing: bool = False
+    """Some node's workers all succeeded: the job is finishing, so no new rounds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Participate:
+    """Run (or keep running) this round's workers."""
+
+    round: Round
+
+
+@dataclass(frozen=True, slots=True)
+class Propose:
+    """Write ``round`` if the round key still has revision ``expected_token``."""
+
+    round: Round
+    expected_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing to do yet; ``quorum_since`` is the caller's new last-call start."""
+
+    reason: str
+    quorum_since: float | None = None
+    stop_workers: bool = False
+    """True when this node's current round is broken and its workers must stop."""
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    reason: str
+
+
+Action = Participate | Propose | Wait | Closed
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Limits:
+    min_nodes: int
+    max_nodes: int
+    last_call: float = 1.0
+    """Seconds to wait for more nodes once ``min_nodes`` are there."""
+
+
+def decide(
+    snapshot: Snapshot,
+    me: str,
+    limits: Limits,
+    *,
+    now: float,
+    quorum_since: float | None,
+    now_ms: int = 0,
+) -> Action:
+    """What node ``me`` should do given ``snapshot``. Pure."""
+    if snapshot.closed is not None:
+        return Closed(snapshot.closed)
+    current = snapshot.round
+    if snapshot.completing:
+        if current is not None and me in current.members:
+            return Participate(current)
+        return Closed("the job is finishing")
+    if current is None:
+        return _first_round(snapshot, limits, now=now, quorum_since=quorum_since, now_ms=now_ms)
+
+    alive = snapshot.nodes
+    lost = [m for m in current.members if m not in alive]
+    waiting = _waiting(snapshot)
+    i_am_member = me in current.members
+    if not lost and (not waiting or len(current.members) >= limits.max_nodes):
+        if i_am_member:
+            return Participate(current)
+        return Wait("round is full; waiting as a spare")
+    members = next_members(current, snapshot.nodes, limits.max_nodes)
+    if len(members) < limits.min_nodes:
+        return Wait(
+            f"{len(members)} of at least {limits.min_nodes} nodes left",
+            stop_workers=i_am_member,
+        )
+    reason = f"lost {','.join(lost)}" if lost else f"admitting {','.join(n.node_id for n in waiting)}"
+    return Propose(
+        _make_round(current.number + 1, members, snapshot.nodes, reason, now_ms),
+        expected_token=current.token,
+    )
+
+
+def _first_round(
+    snapshot: Snapshot, limits: Limits, *, now: float, quorum_since: float | None, now_ms: int
+) -> Action:
+    count = len(snapshot.nodes)
+    if count < limits.min_nodes:
+        return Wait(f"{count} of at least {limits.min_nodes} nodes registered")
+    members = next_members(None, snapshot.nodes, limits.max_nodes)
+    if count >= limits.max_nodes:
+        return Propose(_make_round(0, members, snapshot.nodes, "all nodes joined", now_ms), 0)
+    since = now if quorum_since is None else quorum_since
+    if now - since >= limits.last_call:
+        return Propose(_make_round(0, members, snapshot.nodes, "last call ended", now_ms), 0)
+    return Wait(f"{count} nodes registered; last call for more", quorum_since=since)
+
+
+def _waiting(snapshot: Snapshot) -> list[NodeInfo]:
+    members = set(snapshot.round.members) if snapshot.round else set()
+    return sorted(
+        (n for n in snapshot.nodes.values() if n.node_id not in members),
+        key=lambda n: (n.joined_revision, n.node_id),
+    )
+
+
+def next_members(
+    current: Round | None, nodes: Mapping[str, NodeInfo], max_nodes: int
+) -> tuple[str, ...]:
+    """Survivors in their old order, then newcomers in arrival order, up to ``max_nodes``."""
+    survivors = [m for m in current.members if m in nodes] if current else []
+    taken = set(survivors)
+    newcomers = sorted(
+        (n for n in nodes.values() if n.node_id not in taken),
+        key=lambda n: (n.joined_revision, n.node_id),
+    )
+    return tuple((survivors + [n.node_id for n in newcomers])[:max_nodes])
+
+
+def _make_round(
+    number: int, members: tuple[str, ...], nodes: Mapping[str, NodeInfo], reason: str, now_ms: int
+) -> Round:
+    return Round(
+        number=number,
+        members=members,
+        nprocs=tuple(nodes[m].nproc for m in members),
+        hosts=tuple(nodes[m].host for m in members),
+        reason=reason,
+        created_ms=now_ms,
+    )
+
+
+def restart_round(current: Round, reason: str, now_ms: int) -> Propose:
+    """The same members in a new round: how a worker failure restarts every node."""
+    return Propose(
+        Round(
+            number=current.number + 1,
+            members=current.members,
+            nprocs=current.nprocs,
+            hosts=current.hosts,
+            reason=reason,
+            created_ms=now_ms,
+        ),
+        expected_token=current.token,
+    )
+
+
+def _loads(raw: bytes, what: str) -> dict:  # type: ignore[type-arg]
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StoreStateError(f"the {what} in etcd is not JSON: {raw[:80]!r}") from exc
+    if not isinstance(data, dict):
+        raise StoreStateError(f"the {what} in etcd is not a JSON object: {raw[:80]!r}")
+    return data

@@ -1,0 +1,49 @@
+"""Shared helpers for tests that run ``elastic-rt launch`` process trees."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from elastic_rt.events import Event, read_events
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN_SCRIPT = str(REPO / "scripts" / "examples" / "torchrun_ddp.py")
+
+
+def launch_args(endpoint: str, run_id: str, nnodes: str, events: Path, *, node_id: str,
+                nproc: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        "launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+        "--rdzv-endpoint", f"etcd://{endpoint}", "--run-id", run_id,
+        "--node-id", node_id, "--events-file", str(events), "--lease-ttl", "3",
+        "--last-call", "0.5", *extra,
+    ]  # fmt: skip
+
+
+def progress(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def events(path: Path) -> list[Event]:
+    return list(read_events(str(path)))
+
+
+def agent_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("ELASTIC_RT_LOG_LEVEL", "INFO")
+    return env
+
+
+PYTHON = sys.executable
