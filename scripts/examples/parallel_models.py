@@ -1,0 +1,308 @@
+"""One small model, trained under any layout: data, pipeline, tensor parallel and their hybrids.
+
+The model is a stack of residual MLP blocks (``x + down(relu(up(x)))``). Every layout trains the
+same math as :class:`ReferenceTrainer`, the plain single-process loop, so a run can change its
+layout half-way (after a node loss, restored from a checkpoint) and still end where it would
+have ended without the change.
+
+``build(layout, groups)`` returns this rank's piece as a trainer with ``step(x, y)``,
+``predict(x)``, ``state_dict()`` and ``load_state_dict(state)``:
+
+- ``dp`` only: the whole model under ``DistributedDataParallel``.
+- anything with ``pp`` or ``tp``: this rank's pipeline stage (a contiguous run of blocks),
+  tensor-split with DTensor when ``tp > 1``, activations passed between stages with plain
+  ``send``/``recv`` in a GPipe schedule, gradients summed over the ``dp`` group by hand.
+
+Two choices make checkpoints portable between layouts:
+
+- A stage keeps the full model's names: stage 1 of 2 holds ``blocks.2`` and ``blocks.3``, not
+  ``0`` and ``1``, so a checkpoint written under ``pp2`` loads into ``pp1`` by name.
+- ``state_dict()`` comes from ``torch.distributed.checkpoint.state_dict`` with the optimizer
+  state flattened per parameter name (``state.blocks.2.up.weight.momentum_buffer``), so the
+  optimizer state reshards exactly like the parameters. Tensor-parallel entries are DTensors,
+  which DCP reassembles into whatever shape the loading layout asks for.
+
+The trainers take the *global* batch and slice their own rows; the loss is a sum over rows
+divided by the global batch size, so the gradient does not depend on how rows are split.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_rt.layout import Layout, ModelLimits
+from elastic_rt.process_groups import Groups
+
+WIDTH = 8
+DEPTH = 4
+# How this model may be split: one block per stage at most, and tp must divide the hidden width.
+LIMITS = ModelLimits(max_pp=DEPTH, tp_options=(1, 2, 4))
+_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class Block(nn.Module):
+    """A residual MLP block; ``up``/``down`` is the pair Megatron splits column- then row-wise."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class MLP(nn.Module):
+    """The model, or the part of it holding ``blocks`` (a pipeline stage), under the full names.
+
+    Each block is initialised from its own generator, seeded by ``(seed, block index)``, so a
+    stage gets the same weights as the same blocks of the whole model without building it.
+    """
+
+    def __init__(self, *, width: int = WIDTH, depth: int = DEPTH, seed: int = 0,
+                 blocks: Iterable[int] | None = None) -> None:
+        super().__init__()
+        ids = range(depth) if blocks is None else blocks
+        self.blocks = nn.ModuleDict({str(i): _seeded_block(width, seed, i) for i in ids})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+def _seeded_block(width: int, seed: int, index: int) -> Block:
+    block = Block(width)
+    generator = torch.Generator().manual_seed(seed * 10_007 + index)
+    with torch.no_grad():
+        for linear in (block.up, block.down):
+            bound = 1 / math.sqrt(linear.in_features)
+            for param in (linear.weight, linear.bias):
+                param.uniform_(-bound, bound, generator=generator)
+    return block
+
+
+def stage_blocks(depth: int, pp: int, stage: int) -> range:
+    """The blocks of pipeline ``stage`` out of ``pp``: contiguous, sizes differing by at most one."""
+    return range(stage * depth // pp, (stage + 1) * depth // pp)
+
+
+def make_batch(step: int, *, global_batch: int = 12, width: int = WIDTH, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: the same on every rank and in every layout."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.randn(global_batch, width, generator=generator)
+    return x, torch.sin(x)
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor, global_batch: int) -> torch.Tensor:
+    """Summed squared error over this piece's rows, divided by the *global* batch size.
+
+    Summing the pieces' losses (and so their gradients) gives the full batch's mean loss,
+    whatever the split.
+    """
+    return ((out - target) ** 2).sum() / global_batch
+
+
+def make_optimizer(model: nn.Module, lr: float = 0.05) -> torch.optim.Optimizer:
+    """SGD with momentum: its state (one buffer per parameter) reshards like the parameters."""
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+class Trainer(Protocol):
+    """What ``build`` returns: one rank's piece of the model, trainable on a global batch."""
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float: ...
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ReferenceTrainer:
+    """The plain single-process loop every layout must match."""
+
+    def __init__(self, *, seed: int = 0, lr: float = 0.05) -> None:
+        self.model = MLP(seed=seed)
+        self.optimizer = make_optimizer(self.model, lr)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = loss_fn(self.model(x), y, len(x))
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss.item()
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def state_dict(self) -> dict[str, Any]:
+        return _state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load_state_dict(self.model, self.optimizer, state)
+
+
+class DDPTrainer:
+    """Pure data parallelism: the whole model on every rank, gradients averaged by DDP."""
+
+    def __init__(self, layout: Layout, groups: Groups, *, seed: int = 0, lr: float = 0.05) -> None:
+        self.dp_rank, self.dp = layout.coords(groups.rank).dp, layout.dp
+        self.group = groups.dp
+        # Same seed on every rank, so there is nothing to broadcast (DDP checks that anyway).
+        self.model = DistributedDataParallel(MLP(seed=seed), process_group=groups.dp)
+        self.optimizer = make_optimizer(self.model, lr)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        rows = _my_rows(len(x), self.dp_rank, self.dp)
+        # DDP averages gradients over dp; scaling by dp turns that average into the sum we want.
+        loss = loss_fn(self.model(x[rows]), y[rows], len(x))
+        (loss * self.dp).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return _sum(loss.detach(), self.group)
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.module(x)
+
+    def state_dict(self) -> dict[str, Any]:
+        return _state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load_state_dict(self.model, self.optimizer, state)
+
+
+class MeshTrainer:
+    """Any ``pp x dp x tp`` layout: this rank's stage, tensor-split, in a GPipe schedule.
+
+    Activations and their gradients go between neighbouring stages of one replica over the
+    ``pp`` group; each tensor-parallel rank talks to the same ``tp`` rank of the next stage.
+    """
+
+    def __init__(self, layout: Layout, groups: Groups, *, seed: int = 0, lr: float = 0.05,
+                 n_micro: int = 2) -> None:
+        self.layout, self.groups, self.n_micro = layout, groups, n_micro
+        self.coords = layout.coords(groups.rank)
+        blocks = stage_blocks(DEPTH, layout.pp, self.coords.pp)
+        self.model = MLP(seed=seed, blocks=blocks)
+        if layout.tp > 1:
+            assert groups.mesh is not None
+            plan = {}
+            for i in blocks:
+                plan[f"blocks.{i}.up"] = ColwiseParallel()
+                plan[f"blocks.{i}.down"] = RowwiseParallel()
+            # src_data_rank=None: every rank built identical weights from the seed, so each
+            # keeps its own shard instead of receiving it from rank 0.
+            parallelize_module(self.model, groups.mesh["tp"], plan, src_data_rank=None)
+        self.optimizer = make_optimizer(self.model, lr)
+        self.is_first, self.is_last = self.coords.pp == 0, self.coords.pp == layout.pp - 1
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        rows = _my_rows(len(x), self.coords.dp, self.layout.dp)
+        # Never an empty micro-batch; every stage of the replica computes the same split.
+        n_micro = max(1, min(self.n_micro, rows.stop - rows.start))
+        micro = zip(torch.tensor_split(x[rows], n_micro), torch.tensor_split(y[rows], n_micro))
+        # GPipe: every micro-batch forward, then every one backward (in reverse order).
+        inputs, outputs = [], []
+        for mx, my in micro:
+            inp = mx if self.is_first else self._recv(mx.shape, self.coords.pp - 1).requires_grad_()
+            out = self.model(inp)
+            if self.is_last:
+                out = loss_fn(out, my, len(x))
+            else:
+                self._send(out.detach(), self.coords.pp + 1)
+            inputs.append(inp)
+            outputs.append(out)
+        for inp, out in zip(reversed(inputs), reversed(outputs)):
+            if self.is_last:
+                out.backward()
+            else:
+                out.backward(self._recv(out.shape, self.coords.pp + 1))
+            if not self.is_first:
+                self._send(inp.grad, self.coords.pp - 1)
+        self._sum_grads_over_dp()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        # Only the last stage has a loss, and each of its tp ranks has the same one: count it once.
+        counts = self.is_last and self.coords.tp == 0
+        return _sum(sum(o.detach() for o in outputs) if counts else torch.zeros(()), self.groups.world)
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output for ``x`` (the whole input, no micro-batches), on every rank."""
+        out = self.model(x if self.is_first else self._recv(x.shape, self.coords.pp - 1))
+        if not self.is_last:
+            self._send(out, self.coords.pp + 1)
+            out = torch.empty_like(x)
+        dist.broadcast(out, group=self.groups.pp, group_src=self.layout.pp - 1)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return _state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load_state_dict(self.model, self.optimizer, state)
+
+    def _send(self, tensor: torch.Tensor, stage: int) -> None:
+        dist.send(tensor.contiguous(), group=self.groups.pp, group_dst=stage)
+
+    def _recv(self, shape: torch.Size, stage: int) -> torch.Tensor:
+        tensor = torch.empty(shape)
+        dist.recv(tensor, group=self.groups.pp, group_src=stage)
+        return tensor
+
+    @torch.no_grad()
+    def _sum_grads_over_dp(self) -> None:
+        # By hand instead of DDP, which cannot see gradients that arrive over send/recv.
+        # One allreduce per parameter is fine for a model this small; real code buckets them.
+        if self.layout.dp == 1:
+            return
+        for param in self.model.parameters():
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, group=self.groups.dp)
+
+
+def build(layout: Layout, groups: Groups, *, seed: int = 0, lr: float = 0.05) -> Trainer:
+    """This rank's piece of the model for ``layout``: DDP when the layout is pure dp."""
+    if layout.pp == 1 and layout.tp == 1:
+        return DDPTrainer(layout, groups, seed=seed, lr=lr)
+    return MeshTrainer(layout, groups, seed=seed, lr=lr)
+
+
+def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's parameters by full name, tensor-parallel shards gathered (a collective)."""
+    model = trainer.model.module if isinstance(trainer, DDPTrainer) else trainer.model  # type: ignore[attr-defined]
+    return {name: p.full_tensor().detach() if isinstance(p, DTensor) else p.detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def _my_rows(n: int, dp_rank: int, dp: int) -> slice:
+    return slice(dp_rank * n // dp, (dp_rank + 1) * n // dp)
+
+
+def _sum(value: torch.Tensor, group: dist.ProcessGroup) -> float:
+    value = value.clone()
+    dist.all_reduce(value, group=group)
+    return value.item()
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer, options=_STATE_OPTIONS)
+    return {"model": model_state, "optim": optim_state}
+
+
+def _load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_STATE_OPTIONS)
