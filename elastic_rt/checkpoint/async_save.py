@@ -1,0 +1,80 @@
+"""Asynchronous saves: stage to CPU memory in the caller, write in one background thread.
+
+The caller blocks only while tensors are copied into CPU staging buffers. The
+buffers are kept and reused from save to save, so steady-state staging allocates
+nothing and holds at most one extra copy of the state (1x its size). One write is in
+flight at a time: the next save first waits for the previous one, because the
+previous write still reads the staging buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+import torch
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Stager:
+    """Copies a flat tensor dict into reusable CPU buffers (DTensors stay DTensors)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Return CPU copies of ``tensors`` that later training steps cannot change."""
+        for stale in set(self._buffers) - set(tensors):
+            del self._buffers[stale]
+        return {key: self._stage_one(key, tensor) for key, tensor in tensors.items()}
+
+    def _stage_one(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+            buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+            self._buffers[key] = buffer
+        buffer.copy_(local.detach(), non_blocking=False)
+        if not isinstance(tensor, DTensor):
+            return buffer
+        return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements,
+                                  run_check=False, shape=tensor.shape, stride=tensor.stride())
+
+
+class BackgroundWriter:
+    """One worker thread running at most one write at a time."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+
+    @property
+    def is_busy(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def submit(self, job: Callable[[], T]) -> None:
+        """Start ``job``; the previous one must have been collected with :meth:`wait`."""
+        if self._pending is not None:
+            raise RuntimeError("a background write is still in flight; wait() first")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        self._pending = self._executor.submit(job)
+
+    def wait(self) -> object | None:
+        """Block until the write in flight ends; return its result or raise its error."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

@@ -1,0 +1,352 @@
+"""The Checkpointer: sharded, atomic, asynchronous checkpoints on an fsspec URL.
+
+Every save goes to a fresh folder ``<url>/step-<8 digit step>-<6 hex>/``, never over
+an old one (an interrupted overwrite would mix two steps). Every rank writes its own
+shards through DCP; rank 0 then writes the JSON manifest (the last file) and, when a
+pointer is given, commits the name in the run's fenced pointer. Only then is the
+checkpoint committed and visible to :meth:`Checkpointer.load`. Retention, on rank 0
+after each commit, keeps the newest ``keep`` committed checkpoints and removes the
+rest, including partial folders left by crashed saves.
+
+Failure behaviour: a failure on any rank fails the save on every rank (nobody is
+left in a collective), and is raised by the next :meth:`~Checkpointer.save` or
+:meth:`~Checkpointer.wait`. A load verifies every file it reads; when the newest
+checkpoint is corrupt, ``load(name=None)`` falls back to the one before it.
+
+Background collectives run on a gloo group of their own, created next to the
+training group, so a write in flight never interleaves with training collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_rt.checkpoint import coordination as coord
+from elastic_rt.checkpoint.async_save import BackgroundWriter, Stager
+from elastic_rt.checkpoint.manifest import (
+    DirState,
+    FileEntry,
+    Manifest,
+    committed_names,
+    names_to_remove,
+    new_name,
+    parse_step,
+    read_manifest,
+    scan,
+    write_manifest,
+)
+from elastic_rt.checkpoint.pointer import PointerStore
+from elastic_rt.checkpoint.sharded import check_fits, read_metadata, read_shards, write_shards
+from elastic_rt.checkpoint.state_tree import FlatState, encode_objects, flatten
+from elastic_rt.checkpoint.storage import FsspecStorage
+from elastic_rt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptShardError,
+)
+from elastic_rt.events import EventSink
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint as seen in storage."""
+
+    name: str
+    step: int
+    url: str
+    layout: dict[str, Any] | None
+    extra: dict[str, Any]
+    committed: bool
+    nbytes: int
+    files: tuple[FileEntry, ...] = field(default=())
+
+    @classmethod
+    def of(cls, manifest: Manifest, url: str, committed: bool = True) -> "CheckpointInfo":
+        return cls(manifest.name, manifest.step, url, manifest.layout, dict(manifest.extra),
+                   committed, manifest.nbytes, manifest.files)
+
+
+class Checkpointer:
+    """Saves and loads sharded checkpoints under one URL.
+
+    Args:
+        url: a local path, ``file://``, ``memory://`` or ``s3://bucket/prefix``.
+        every_steps: :meth:`should_save` is true every this many steps (0: never).
+        keep: committed checkpoints retention keeps (0 keeps all).
+        async_save: stage and return, writing in the background (else write, then return).
+        storage_options: fsspec options (S3: ``endpoint_url``...). Never logged.
+        pointer: the run's fenced pointer; without one the manifest alone commits.
+        events: where ``checkpoint.committed`` / ``checkpoint.restored`` go.
+        collective_timeout: how long a background collective waits for a peer.
+
+    Raises:
+        UnknownURLSchemeError: the URL's scheme is not supported.
+        ConfigError: ``every_steps`` or ``keep`` is negative.
+    """
+
+    def __init__(self, url: str, *, every_steps: int = 0, keep: int = 3, async_save: bool = True,
+                 storage_options: dict | None = None, pointer: PointerStore | None = None,
+                 events: EventSink | None = None,
+                 collective_timeout: timedelta = timedelta(minutes=10)) -> None:
+        for field_name, value in (("every_steps", every_steps), ("keep", keep)):
+            if value < 0:
+                raise ConfigError(f"Checkpointer {field_name}={value} is negative",
+                                  f"Pass {field_name}=0 or more.")
+        self.url = url.rstrip("/")
+        self.every_steps = every_steps
+        self.keep = keep
+        self.async_save = async_save
+        self._storage = FsspecStorage(url, storage_options)
+        self._pointer = pointer
+        self._events = events
+        self._timeout = collective_timeout
+        self._stager = Stager()
+        self._writer = BackgroundWriter()
+        self._side: tuple[Any, Any] | None = None
+        self._last: CheckpointInfo | None = None
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.url!r}, every_steps={self.every_steps}, keep={self.keep})"
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is a checkpoint step under ``every_steps``."""
+        return self.every_steps > 0 and step > 0 and step % self.every_steps == 0
+
+    def save(self, step: int, state: dict[str, Any], *, layout: dict | None = None,
+             extra: dict | None = None, process_group: Any = None) -> None:
+        """Checkpoint ``state`` at ``step``; collective over ``process_group``.
+
+        Waits for the previous save first. With ``async_save`` it returns once the
+        tensors are staged in CPU memory; :meth:`wait` gives the outcome.
+
+        Raises:
+            ConfigError: ``state`` or ``extra`` holds values we cannot store safely.
+            CheckpointError: the previous save failed (its error, re-raised here).
+        """
+        self.wait()
+        flat = flatten(state)
+        objects = encode_objects(flat.objects)
+        extra = _checked_extra(extra)
+        group = self._side_group(process_group)
+        started = time.monotonic()
+        tensors = self._stager.stage(flat.tensors) if self.async_save else flat.tensors
+        blocking_s = time.monotonic() - started
+
+        def job() -> CheckpointInfo:
+            return self._write(step, tensors, objects, layout, extra, group, blocking_s)
+
+        if self.async_save:
+            self._writer.submit(job)
+        else:
+            self._last = job()
+
+    def wait(self) -> CheckpointInfo | None:
+        """Block until the save in flight is committed; return it (None if none).
+
+        Raises:
+            CheckpointError: the save failed (on this or another rank).
+        """
+        info = self._writer.wait()
+        if info is not None:
+            self._last = info  # type: ignore[assignment]
+        return info  # type: ignore[return-value]
+
+    def load(self, state: dict[str, Any], *, name: str | None = None,
+             process_group: Any = None) -> CheckpointInfo:
+        """Load a checkpoint into ``state`` in place, resharded to its sharding.
+
+        With ``name=None`` the newest committed checkpoint is loaded, and if it is
+        corrupt the one before it (logged and reported as an event).
+
+        Raises:
+            CheckpointNotFoundError: no committed checkpoint (or no ``name``) exists.
+            CorruptShardError: a file is missing or damaged (every candidate, or ``name``).
+            CheckpointMismatchError: the checkpoint does not fit ``state``.
+        """
+        self._drain_for_load()
+        group = self._side_group(process_group)
+        flat = flatten(state)
+        candidates = coord.broadcast(self._candidates(name, group), group)
+        if not candidates:
+            raise CheckpointNotFoundError(f"no committed checkpoint at {self.url}"
+                                          + (f" named {name}" if name else ""))
+        failed: list[str] = []
+        for candidate in candidates:
+            try:
+                info = self._load_one(candidate, flat, group)
+            except CorruptShardError as exc:
+                if name is not None or candidate == candidates[-1]:
+                    raise
+                logger.warning("checkpoint %s is corrupt (%s); falling back to an older one",
+                               candidate, exc)
+                failed.append(candidate)
+                continue
+            self._emit("checkpoint.restored", info.step, name=info.name, fallback_from=failed)
+            return info
+        raise AssertionError("unreachable")
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint folder, committed or partial, oldest first."""
+        dirs = scan(self._storage)
+        committed = set(committed_names(dirs, self._pointer_name()))
+        return [self._info(d, d.name in committed) for d in dirs]
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error) and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            self._writer.close()
+            self._drop_side_group()
+
+    # -- saving (runs in the background thread when async) --------------------------
+
+    def _write(self, step: int, tensors: dict[str, torch.Tensor], objects: dict[str, Any],
+               layout: dict | None, extra: dict, group: Any, blocking_s: float) -> CheckpointInfo:
+        started = time.monotonic()
+        name = coord.broadcast(new_name(step), group)
+        logger.info("writing checkpoint %s", self._storage.url_of(name))
+        records = coord.agree(lambda: write_shards(tensors, self._storage, name, group), group,
+                              f"saving {name}")
+        parts = coord.all_gather((records, objects), group)
+        manifest = Manifest(name=name, step=step, layout=layout, extra=extra,
+                            files=_merge_files(parts), objects=_merge_objects(parts),
+                            world_size=len(parts), torch_version=torch.__version__)
+        coord.agree(lambda: self._commit(manifest, group), group, f"committing {name}")
+        info = CheckpointInfo.of(manifest, self._storage.url_of(name))
+        write_s = time.monotonic() - started
+        logger.info("committed checkpoint %s (%d bytes in %.2fs)", info.url, info.nbytes, write_s)
+        if coord.rank_of(group) == 0:
+            self._emit("checkpoint.committed", step, name=name, nbytes=info.nbytes,
+                       blocking_ms=round(blocking_s * 1000, 1), write_ms=round(write_s * 1000, 1))
+            self._retain(in_flight={name})
+        return info
+
+    def _commit(self, manifest: Manifest, group: Any) -> None:
+        if coord.rank_of(group) != 0:
+            return
+        write_manifest(self._storage, manifest)
+        if self._pointer is not None:
+            self._pointer.commit(manifest.name)
+
+    def _retain(self, in_flight: set[str]) -> None:
+        try:
+            doomed = names_to_remove(scan(self._storage), self._pointer_name(), self.keep,
+                                     in_flight)
+            for name in doomed:
+                logger.info("retention removes %s", self._storage.url_of(name))
+                self._storage.remove_tree(name)
+        except Exception as exc:  # retention is housekeeping: the commit already happened
+            logger.warning("retention under %s failed: %s", self.url, exc)
+
+    # -- loading ---------------------------------------------------------------------
+
+    def _drain_for_load(self) -> None:
+        try:
+            self.wait()
+        except BaseException as exc:  # a save that failed does not stop a restore
+            logger.warning("the checkpoint save in flight failed before the load: %s", exc)
+
+    def _candidates(self, name: str | None, group: Any) -> list[str]:
+        if coord.rank_of(group) != 0:
+            return []
+        dirs = scan(self._storage)
+        if name is not None:
+            return [name] if any(d.name == name and d.has_manifest for d in dirs) else []
+        return list(reversed(committed_names(dirs, self._pointer_name())))
+
+    def _load_one(self, name: str, flat: FlatState, group: Any) -> CheckpointInfo:
+        url = self._storage.url_of(name)
+
+        def prepare() -> tuple[Manifest, Any]:
+            manifest = read_manifest(self._storage, name)
+            metadata = read_metadata(self._storage, manifest)
+            check_fits(flat.tensors, metadata, url)
+            flat.check_objects(manifest.objects, url)
+            return manifest, metadata
+
+        manifest, metadata = coord.agree(prepare, group, f"reading {name}")
+        read_shards(flat.tensors, self._storage, manifest, metadata, group)
+        flat.finish_load(manifest.objects, url)
+        logger.info("restored checkpoint %s", url)
+        return CheckpointInfo.of(manifest, url)
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _pointer_name(self) -> str | None:
+        return self._pointer.read() if self._pointer is not None else None
+
+    def _info(self, state: DirState, committed: bool) -> CheckpointInfo:
+        url = self._storage.url_of(state.name)
+        if state.has_manifest:
+            try:
+                return CheckpointInfo.of(read_manifest(self._storage, state.name), url, committed)
+            except CorruptShardError as exc:
+                logger.warning("%s", exc)
+        return CheckpointInfo(state.name, parse_step(state.name) or 0, url, None, {}, False,
+                              state.nbytes)
+
+    def _side_group(self, process_group: Any) -> Any:
+        """Our own gloo group over the ranks of ``process_group`` (None: one process)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        training = process_group if process_group is not None else dist.group.WORLD
+        if self._side is not None and self._side[0] is training:
+            return self._side[1]
+        self._drop_side_group()
+        side = dist.new_group(ranks=dist.get_process_group_ranks(training), backend="gloo",
+                              timeout=self._timeout, use_local_synchronization=True)
+        self._side = (training, side)
+        return side
+
+    def _drop_side_group(self) -> None:
+        side, self._side = self._side, None
+        if side is None or not dist.is_initialized():
+            return
+        try:
+            dist.destroy_process_group(side[1])
+        except Exception as exc:  # the training group may already be gone
+            logger.debug("could not destroy the checkpoint group: %s", exc)
+
+    def _emit(self, event: str, step: int, **metadata: Any) -> None:
+        if self._events is not None:
+            self._events.emit(event, step=step, **metadata)
+
+
+def _checked_extra(extra: dict | None) -> dict:
+    try:
+        return json.loads(json.dumps(extra or {}))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"checkpoint extra= is not JSON-able: {exc}",
+                          "Pass only str, int, float, bool, None, lists and dicts.") from exc
+
+
+def _merge_files(parts: list[tuple[dict[str, FileEntry], dict]]) -> tuple[FileEntry, ...]:
+    files: dict[str, FileEntry] = {}
+    for records, _ in parts:
+        files.update(records)
+    return tuple(sorted(files.values(), key=lambda f: f.path))
+
+
+def _merge_objects(parts: list[tuple[dict, dict[str, Any]]]) -> dict[str, Any]:
+    """Union of every rank's plain values; where ranks differ, the lowest rank wins."""
+    merged: dict[str, Any] = {}
+    for rank, (_, objects) in enumerate(parts):
+        for key, value in objects.items():
+            if key in merged and merged[key] != value:
+                logger.warning("state value %r differs on rank %d; keeping the lowest rank's",
+                               key, rank)
+                continue
+            merged.setdefault(key, value)
+    return merged

@@ -1,0 +1,85 @@
+"""``elastic-rt checkpoint ls|verify URL``: look at checkpoints without loading them.
+
+``ls`` prints one line per checkpoint folder. ``verify`` reads every file of every
+committed checkpoint and compares its size and CRC-32 with the manifest; it runs no
+pickle and needs no process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Any
+
+from elastic_rt.checkpoint.checkpointer import Checkpointer, CheckpointInfo
+from elastic_rt.checkpoint.manifest import FileEntry
+from elastic_rt.checkpoint.storage import FsspecStorage
+
+logger = logging.getLogger(__name__)
+
+
+def ls(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """One line per checkpoint, oldest first: name, step, layout, size, state.
+
+    Raises:
+        UnknownURLSchemeError, CredentialsError: bad URL or credentials.
+    """
+    return [_line(info) for info in Checkpointer(url, storage_options=storage_options).list()]
+
+
+def _line(info: CheckpointInfo) -> str:
+    layout = _layout_text(info.layout)
+    state = "committed" if info.committed else "partial"
+    return f"{info.name}  step={info.step}  layout={layout}  size={_size(info.nbytes)}  {state}"
+
+
+def _layout_text(layout: dict[str, Any] | None) -> str:
+    if not layout:
+        return "-"
+    return "x".join(f"{axis}{layout[axis]}" for axis in ("dp", "pp", "tp") if axis in layout) or (
+        ",".join(f"{k}={v}" for k, v in sorted(layout.items())))
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def verify(url: str, storage_options: dict[str, Any] | None = None) -> tuple[bool, list[str]]:
+    """Check every file of every committed checkpoint against its manifest.
+
+    Returns:
+        (all good, one line per checkpoint and per bad file).
+
+    Raises:
+        UnknownURLSchemeError, CredentialsError: bad URL or credentials.
+    """
+    storage = FsspecStorage(url, storage_options)
+    infos = [i for i in Checkpointer(url, storage_options=storage_options).list() if i.committed]
+    lines: list[str] = []
+    ok = True
+    for info in infos:
+        problems = [p for f in info.files if (p := _check_file(storage, info.name, f))]
+        ok = ok and not problems
+        lines.append(f"{info.name}  {'ok' if not problems else 'CORRUPT'}  "
+                     f"({len(info.files)} files, {_size(info.nbytes)})")
+        lines.extend(f"  {p}" for p in problems)
+    if not infos:
+        lines.append(f"no committed checkpoint under {url}")
+    return ok, lines
+
+
+def _check_file(storage: FsspecStorage, name: str, entry: FileEntry) -> str | None:
+    rel = f"{name}/{entry.path}"
+    try:
+        data = storage.read_bytes(rel)
+    except FileNotFoundError:
+        return f"{storage.url_of(rel)}: missing"
+    crc = f"{zlib.crc32(data):08x}"
+    if (len(data), crc) != (entry.size, entry.crc32):
+        return (f"{storage.url_of(rel)}: {len(data)} bytes, CRC-32 {crc}; manifest says "
+                f"{entry.size} bytes, {entry.crc32}")
+    return None

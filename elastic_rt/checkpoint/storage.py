@@ -1,0 +1,264 @@
+"""Checkpoint storage: fsspec path operations behind a small Protocol.
+
+This module is the only place that knows fsspec, s3fs and botocore exist as error
+sources. Everything it raises is ours: a bad URL is :class:`UnknownURLSchemeError`,
+refused or missing credentials are :class:`CredentialsError`, and transient S3
+trouble (throttling, 5xx, dropped connections) is retried a few times before it is
+raised. Credentials never appear in a message or a log line: we log URLs only, and
+``storage_options`` are never formatted.
+
+Guarantees: :meth:`Storage.write_bytes` is atomic (readers see the whole file or
+none): a local file is written beside its target and renamed, an object store puts
+the object in one request. Not guaranteed: atomic directory operations.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import time
+import uuid
+from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from elastic_rt.errors import (
+    CheckpointError,
+    CredentialsError,
+    ElasticError,
+    UnknownURLSchemeError,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SCHEMES = ("file", "local", "memory", "s3", "s3a")
+"""URL schemes we test and support; a plain path means ``file``."""
+
+RETRIES = 4
+"""Attempts of an idempotent storage call before a transient error is raised."""
+
+_CREDENTIAL_CODES = frozenset(
+    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
+     "InvalidToken", "UnrecognizedClientException"}
+)
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+     "ServiceUnavailable", "503", "500", "RequestTimeTooSkewed"}
+)
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What the checkpoint code needs from a storage backend. Paths are relative."""
+
+    url: str
+
+    def url_of(self, rel: str) -> str: ...
+    def list_dirs(self) -> list[str]: ...
+    def list_files(self, rel: str) -> dict[str, int]: ...
+    def exists(self, rel: str) -> bool: ...
+    def read_bytes(self, rel: str) -> bytes: ...
+    def write_bytes(self, rel: str, data: bytes) -> None: ...
+    def remove_tree(self, rel: str) -> None: ...
+
+
+def parse_url(url: str) -> str:
+    """Return the scheme of ``url`` ("file" for a plain path).
+
+    Raises:
+        UnknownURLSchemeError: the scheme is not one we support.
+    """
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if scheme not in SCHEMES:
+        raise UnknownURLSchemeError(
+            f"checkpoint URL {url!r} has the unknown scheme {scheme!r}",
+            "Use a local path, file://, memory:// or s3://bucket/prefix.",
+        )
+    return scheme
+
+
+class FsspecStorage:
+    """A :class:`Storage` rooted at one fsspec URL.
+
+    Args:
+        url: a path, ``file://``, ``memory://`` or ``s3://bucket/prefix``.
+        storage_options: passed to fsspec (for S3: ``endpoint_url``, ``key``...).
+
+    Raises:
+        UnknownURLSchemeError: the URL's scheme is not supported or its driver is missing.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        scheme = parse_url(url)
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        if scheme in ("s3", "s3a"):
+            # Listings must see other ranks' and processes' writes at once.
+            self.storage_options.setdefault("use_listings_cache", False)
+        try:
+            self.fs, root = url_to_fs(self.url, **self.storage_options)
+        except ImportError as exc:
+            raise UnknownURLSchemeError(
+                f"the driver for {scheme}:// URLs is not installed",
+                "Install it, for example pip install s3fs.",
+            ) from exc
+        self.root = root.rstrip("/") or "/"
+        self.is_local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.url!r})"
+
+    def path(self, rel: str) -> str:
+        """The fsspec path (no scheme) of ``rel`` under the root."""
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def url_of(self, rel: str) -> str:
+        """The full URL of ``rel`` under the root, for people and for DCP."""
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def list_dirs(self) -> list[str]:
+        """Names of the folders directly under the root (none if the root is missing)."""
+        entries = self._call(self._ls, "")
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries
+                      if e.get("type") == "directory")
+
+    def list_files(self, rel: str) -> dict[str, int]:
+        """Files directly under ``rel``: name -> size in bytes (empty if missing)."""
+        entries = self._call(self._ls, rel)
+        return {posixpath.basename(e["name"]): int(e.get("size") or 0) for e in entries
+                if e.get("type") == "file"}
+
+    def exists(self, rel: str) -> bool:
+        return bool(self._call(self.fs.exists, self.path(rel)))
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The whole file. Raises FileNotFoundError (ours to interpret) if missing."""
+        return self._call(self.fs.cat_file, self.path(rel))
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a whole file atomically (see the module docstring)."""
+        self._call(self._write_atomic, self.path(rel), data)
+
+    def remove_tree(self, rel: str) -> None:
+        """Remove a folder and everything in it; a missing folder is fine."""
+        try:
+            self._call(self.fs.rm, self.path(rel), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def _ls(self, rel: str) -> list[dict[str, Any]]:
+        path = self.path(rel)
+        try:
+            self.fs.invalidate_cache(path)
+            return list(self.fs.ls(path, detail=True))
+        except FileNotFoundError:
+            return []
+
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        if not self.is_local:
+            self.fs.pipe_file(path, data)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return call_with_retries(fn, *args, url=self.url, **kwargs)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename durable: fsync the folder that holds it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def call_with_retries(fn: Callable[..., T], *args: Any, url: str, **kwargs: Any) -> T:
+    """Call an idempotent storage operation, retrying transient errors.
+
+    Raises:
+        CredentialsError: storage refused or found no credentials.
+        FileNotFoundError: the path is missing (callers decide what that means).
+        CheckpointError: any other storage failure, after the retries.
+    """
+    for attempt in range(RETRIES):
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # the seam: everything from fsspec/botocore lands here
+            error = translate_error(exc, url)
+            if not is_transient(exc) or attempt == RETRIES - 1:
+                raise error from exc
+            delay = 0.1 * 2**attempt
+            logger.warning("storage call on %s failed (%s); retrying in %.1fs",
+                           url, type(exc).__name__, delay)
+            time.sleep(delay)  # backoff between attempts, not synchronisation
+    raise AssertionError("unreachable")
+
+
+def translate_error(exc: BaseException, url: str) -> BaseException:
+    """Map an fsspec/s3fs/botocore error to ours; our own errors pass through."""
+    if isinstance(exc, ElasticError):
+        return exc
+    if _is_credentials_error(exc, is_s3=url.startswith(("s3://", "s3a://"))):
+        return CredentialsError(
+            f"storage at {url} refused the credentials or none were found "
+            f"({type(exc).__name__})",
+            "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE / "
+            "~/.aws/credentials) for this bucket.",
+        )
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointError(f"{url}: a file or bucket is missing: {exc}")
+    return CheckpointError(f"storage at {url} failed: {type(exc).__name__}: {exc}")
+
+
+def _error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _is_credentials_error(exc: BaseException, *, is_s3: bool) -> bool:
+    for err in _chain(exc):
+        name = type(err).__name__
+        if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+            return True
+        if _error_code(err) in _CREDENTIAL_CODES or (is_s3 and isinstance(err, PermissionError)):
+            return True
+    return False
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying ``exc`` may succeed (throttling, 5xx, dropped connection)."""
+    for err in _chain(exc):
+        name = type(err).__name__
+        if name in ("EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+                    "ConnectTimeoutError", "ServerDisconnectedError", "ClientOSError"):
+            return True
+        if isinstance(err, (ConnectionError, TimeoutError)):
+            return True
+        if _error_code(err) in _TRANSIENT_CODES:
+            return True
+    return False
