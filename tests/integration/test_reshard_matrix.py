@@ -1,0 +1,158 @@
+"""Save under one layout, restore under another: same outputs, and training goes on the same.
+
+All cases run in one launch of four gloo workers (starting processes is the slow part on two
+cores). Per case, the workers of layout A train ``STEPS_BEFORE`` steps, save and commit a
+checkpoint, and destroy their groups; the workers of layout B form new groups in the same
+processes, load it (resharding), predict, and train ``STEPS_AFTER`` more steps. The test
+process compares both against :class:`ReferenceTrainer`, the unchanged single-process run.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_rt.checkpoint import Checkpointer
+from elastic_rt.layout import Layout
+from elastic_rt.process_groups import destroy_groups, init_groups
+from scripts.examples import parallel_models as pm
+from tests.fixtures.torchdist import WorkerEnv, run_workers
+
+NPROCS = 4
+STEPS_BEFORE, STEPS_AFTER = 2, 2
+FILE_CASES = [
+    ("dp2", "dp1"),
+    ("dp1", "dp3"),
+    ("pp2", "dp1"),
+    ("dp2xpp2", "dp3"),
+    ("dp2xpp2", "pp2"),
+    ("tp2", "dp2"),
+    ("dp1", "pp2xtp2"),
+    ("pp2xtp2", "dp2xpp2"),
+]
+S3_CASES = [("dp2xpp2", "dp3"), ("tp2", "dp2")]
+TIMEOUT = timedelta(seconds=30)
+
+
+def parse_layout(text: str) -> Layout:
+    """``"dp2xpp2"`` -> ``Layout(dp=2, pp=2)``; missing axes are 1."""
+    degrees = {axis: int(n) for axis, n in re.findall(r"(dp|pp|tp)(\d+)", text)}
+    return Layout(dp=degrees.get("dp", 1), pp=degrees.get("pp", 1), tp=degrees.get("tp", 1))
+
+
+def _probe() -> torch.Tensor:
+    return pm.make_batch(10_000)[0]
+
+
+def _round(env: WorkerEnv, layout: Layout, prefix: str) -> Any:
+    return init_groups(env.store, rank=env.rank, world_size=layout.world_size, layout=layout,
+                       prefix=prefix, timeout=TIMEOUT)
+
+
+def _save_under(env: WorkerEnv, layout: Layout, url: str, prefix: str, options: dict | None) -> torch.Tensor:
+    groups = _round(env, layout, prefix)
+    trainer = pm.build(layout, groups)
+    for step in range(STEPS_BEFORE):
+        trainer.step(*pm.make_batch(step))
+    ckpt = Checkpointer(url, storage_options=options)
+    ckpt.save(STEPS_BEFORE, {"trainer": trainer}, layout=layout.to_dict(), process_group=groups.world)
+    ckpt.wait()
+    # Nobody may start reading before every rank's part is committed.
+    dist.barrier(group=groups.world)
+    ckpt.close()
+    prediction = trainer.predict(_probe())
+    destroy_groups(groups)
+    return prediction
+
+
+def _restore_under(env: WorkerEnv, layout: Layout, url: str, prefix: str, options: dict | None) -> dict[str, Any]:
+    groups = _round(env, layout, prefix)
+    trainer = pm.build(layout, groups)
+    ckpt = Checkpointer(url, storage_options=options)
+    info = ckpt.load({"trainer": trainer}, process_group=groups.world)
+    ckpt.close()
+    prediction = trainer.predict(_probe())
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        trainer.step(*pm.make_batch(step))
+    params = pm.full_params(trainer)
+    destroy_groups(groups)
+    return {"step": info.step, "prediction": prediction, "params": params}
+
+
+def _run_cases(env: WorkerEnv, base_url: str, cases: list[tuple[str, str]], options: dict | None) -> dict:
+    results: dict[str, dict[str, Any]] = {}
+    for i, (before, after) in enumerate(cases):
+        url = f"{base_url}/case{i}-{before}-to-{after}"
+        out: dict[str, Any] = {}
+        layout_a, layout_b = parse_layout(before), parse_layout(after)
+        if env.rank < layout_a.world_size:
+            out["saved_prediction"] = _save_under(env, layout_a, url, f"/reshard/{i}/a/", options)
+        if env.rank < layout_b.world_size:
+            out.update(_restore_under(env, layout_b, url, f"/reshard/{i}/b/", options))
+        results[f"{before}->{after}"] = out
+    return results
+
+
+def _reference() -> dict[str, Any]:
+    ref = pm.ReferenceTrainer()
+    for step in range(STEPS_BEFORE):
+        ref.step(*pm.make_batch(step))
+    prediction = ref.predict(_probe())
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        ref.step(*pm.make_batch(step))
+    return {"prediction": prediction, "params": {k: v.detach() for k, v in ref.model.named_parameters()}}
+
+
+def _check(case: str, results: list[dict], reference: dict[str, Any]) -> None:
+    per_rank = [r[case] for r in results]
+    saved = [r["saved_prediction"] for r in per_rank if "saved_prediction" in r]
+    restored = [r for r in per_rank if "prediction" in r]
+    assert saved and restored
+    for prediction in saved:
+        torch.testing.assert_close(prediction, reference["prediction"], atol=1e-5, rtol=0)
+    params: dict[str, torch.Tensor] = {}
+    for out in restored:
+        assert out["step"] == STEPS_BEFORE
+        # The restored model answers exactly like the one that was saved.
+        torch.testing.assert_close(out["prediction"], saved[0], atol=1e-6, rtol=0)
+        params.update(out["params"])
+    # Between the restored ranks every parameter is there, and training went on as if unchanged.
+    assert params.keys() == reference["params"].keys()
+    for name, value in params.items():
+        torch.testing.assert_close(value, reference["params"][name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return _reference()
+
+
+@pytest.fixture(scope="module")
+def file_matrix(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    base = tmp_path_factory.mktemp("reshard").as_uri()
+    return run_workers(_run_cases, NPROCS, args=(base, FILE_CASES, None), timeout_s=180)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", FILE_CASES)
+def test_restore_into_another_layout_on_file(file_matrix: list[dict], reference: dict, before: str, after: str) -> None:
+    _check(f"{before}->{after}", file_matrix, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_restore_into_another_layout_on_s3(s3_server: Any, reference: dict) -> None:
+    results = run_workers(_run_cases, NPROCS, args=(s3_server.url("reshard"), S3_CASES, s3_server.storage_options),
+                          timeout_s=180)
+    for before, after in S3_CASES:
+        _check(f"{before}->{after}", results, reference)
+
+
+def test_parse_layout_reads_missing_axes_as_one() -> None:
+    assert parse_layout("dp2xpp2") == Layout(dp=2, pp=2)
+    assert parse_layout("tp2") == Layout(dp=1, tp=2)
