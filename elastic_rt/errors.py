@@ -93,3 +93,11 @@ class CorruptShardError(CheckpointError):
 
 class WorkerFailedError(ElasticError):
     """A worker failed and the restart budget is spent. Not retryable."""
+
+
+class UnknownRunError(UserError):
+    """No keys exist for the run id on this etcd. Not retryable: check the run id."""
+
+
+class NoEventsError(UserError):
+    """An event file is missing, empty or holds no events. Not retryable."""
