@@ -37,7 +37,6 @@ from elastic_rt.checkpoint.manifest import (
     Manifest,
     committed_names,
     names_to_remove,
-    new_name,
     parse_step,
     read_manifest,
     scan,
@@ -135,12 +134,18 @@ class Checkpointer:
             CheckpointError: the previous save failed (its error, re-raised here).
         """
         self.wait()
-        flat = flatten(state)
-        objects = encode_objects(flat.objects)
-        extra = _checked_extra(extra)
         group = self._side_group(process_group)
         started = time.monotonic()
-        tensors = self._stager.stage(flat.tensors) if self.async_save else flat.tensors
+        try:
+            flat = flatten(state)
+            objects = encode_objects(flat.objects)
+            extra = _checked_extra(extra)
+            tensors = self._stager.stage(flat.tensors) if self.async_save else flat.tensors
+        except BaseException as exc:
+            # The other ranks are about to wait for us in the first collective of
+            # their write: join it with our error so that they fail too, not hang.
+            coord.agree_name(step, exc, group)
+            raise
         blocking_s = time.monotonic() - started
 
         def job() -> CheckpointInfo:
@@ -177,7 +182,8 @@ class Checkpointer:
         self._drain_for_load()
         group = self._side_group(process_group)
         flat = flatten(state)
-        candidates = coord.broadcast(self._candidates(name, group), group)
+        local = coord.agree(lambda: self._candidates(name, group), group, "listing checkpoints")
+        candidates = coord.broadcast(local, group)
         if not candidates:
             raise CheckpointNotFoundError(f"no committed checkpoint at {self.url}"
                                           + (f" named {name}" if name else ""))
@@ -192,7 +198,7 @@ class Checkpointer:
                                candidate, exc)
                 failed.append(candidate)
                 continue
-            self._emit("checkpoint.restored", info.step, name=info.name, fallback_from=failed)
+            self._emit("checkpoint.restored", info.step, checkpoint=info.name, fallback_from=failed)
             return info
         raise AssertionError("unreachable")
 
@@ -215,7 +221,7 @@ class Checkpointer:
     def _write(self, step: int, tensors: dict[str, torch.Tensor], objects: dict[str, Any],
                layout: dict | None, extra: dict, group: Any, blocking_s: float) -> CheckpointInfo:
         started = time.monotonic()
-        name = coord.broadcast(new_name(step), group)
+        name = coord.agree_name(step, None, group)
         logger.info("writing checkpoint %s", self._storage.url_of(name))
         records = coord.agree(lambda: write_shards(tensors, self._storage, name, group), group,
                               f"saving {name}")
@@ -228,7 +234,7 @@ class Checkpointer:
         write_s = time.monotonic() - started
         logger.info("committed checkpoint %s (%d bytes in %.2fs)", info.url, info.nbytes, write_s)
         if coord.rank_of(group) == 0:
-            self._emit("checkpoint.committed", step, name=name, nbytes=info.nbytes,
+            self._emit("checkpoint.committed", step, checkpoint=name, nbytes=info.nbytes,
                        blocking_ms=round(blocking_s * 1000, 1), write_ms=round(write_s * 1000, 1))
             self._retain(in_flight={name})
         return info

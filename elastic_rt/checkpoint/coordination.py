@@ -19,6 +19,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from elastic_rt import errors
+from elastic_rt.checkpoint.manifest import new_name
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,19 @@ def agree(fn: Callable[[], T], group: dist.ProcessGroup | None, what: str) -> T:
         if failure is not None:
             raise _rebuild(failure, rank, what)
     return result
+
+
+def agree_name(step: int, error: BaseException | None, group: dist.ProcessGroup | None) -> str:
+    """The first collective of a save: every rank reports whether it is ready, and
+    rank 0's fresh folder name comes back. Raises on every rank if one is not ready.
+    """
+    proposals = all_gather((new_name(step), _describe(error)), group)
+    if error is not None:
+        raise error
+    for rank, (_, failure) in enumerate(proposals):
+        if failure is not None:
+            raise _rebuild(failure, rank, f"preparing the step {step} checkpoint")
+    return proposals[0][0]
 
 
 def _describe(error: BaseException | None) -> tuple[str, str, str] | None:

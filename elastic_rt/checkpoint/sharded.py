@@ -177,14 +177,18 @@ class VerifyingReader(FsspecReader):
         if expected is None:
             raise CorruptShardError(f"{source} is not listed in the manifest")
         items = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
+        refused: CorruptShardError | None = None
         try:
-            stream_cm = self.fs.create_stream(os.path.join(self.path, rel), "rb")
-            with stream_cm as raw:
+            with self.fs.create_stream(os.path.join(self.path, rel), "rb") as raw:
                 reader = _VerifyingStream(raw)
                 for item in items:
                     info = self.storage_data[item.storage_index]
                     reader.skip_to(info.offset)
-                    self._load_item(item, reader.read(info.length), planner, source)
+                    try:
+                        self._load_item(item, reader.read(info.length), planner, source)
+                    except CorruptShardError as exc:
+                        refused = exc  # a damaged file explains it better: check first
+                        break
                 reader.skip_to(None)
         except FileNotFoundError as exc:
             raise CorruptShardError(f"{source} is missing") from exc
@@ -194,6 +198,8 @@ class VerifyingReader(FsspecReader):
                 f"{reader.crc:08x}, the manifest says {expected.size} bytes with "
                 f"{expected.crc32}"
             )
+        if refused is not None:
+            raise refused
 
     def _load_item(self, item: ReadItem, data: bytes, planner: LoadPlanner, source: str) -> None:
         if item.type == LoadItemType.BYTE_IO:

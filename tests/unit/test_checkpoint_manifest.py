@@ -1,0 +1,99 @@
+"""Manifest format, commit rule and retention decisions (pure, plus memory:// I/O)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from elastic_rt.checkpoint.manifest import (
+    MANIFEST_FILE,
+    DirState,
+    FileEntry,
+    Manifest,
+    committed_names,
+    names_to_remove,
+    new_name,
+    parse_step,
+    read_manifest,
+    scan,
+    write_manifest,
+)
+from elastic_rt.checkpoint.storage import FsspecStorage
+from elastic_rt.errors import CorruptShardError
+
+
+def _dirs(*specs: tuple[int, str, bool]) -> list[DirState]:
+    return [DirState(f"step-{step:08d}-{suffix}", has, 10) for step, suffix, has in specs]
+
+
+def test_new_name_carries_the_step_and_parses_back() -> None:
+    name = new_name(120)
+    assert name.startswith("step-00000120-")
+    assert parse_step(name) == 120
+    assert new_name(120) != name
+
+
+@pytest.mark.parametrize("name", ["step-1-abcdef", "other", "step-00000001-xyz123", ""])
+def test_parse_step_ignores_folders_that_are_not_ours(name: str) -> None:
+    assert parse_step(name) is None
+
+
+def test_manifest_round_trips_through_json() -> None:
+    manifest = Manifest(name="step-00000007-abcdef", step=7, layout={"dp": 2},
+                        extra={"sampler": {"position": 3}}, objects={"lr": 0.1},
+                        files=(FileEntry(".metadata", 10, "0000abcd"),), world_size=2)
+    again = Manifest.from_json(manifest.to_json(), "x")
+    assert again == manifest
+    assert again.nbytes == 10
+
+
+@pytest.mark.parametrize("data", [b"not json", b"{}", b'{"format_version": 99}',
+                                  b'{"format_version": 1, "files": [{"path": 1}]}'])
+def test_a_bad_manifest_is_a_corrupt_checkpoint(data: bytes) -> None:
+    with pytest.raises(CorruptShardError, match="not a valid checkpoint manifest"):
+        Manifest.from_json(data, "memory://x/manifest.json")
+
+
+def test_without_a_pointer_every_manifest_commits_oldest_first() -> None:
+    dirs = _dirs((3, "aaaaaa", True), (1, "bbbbbb", True), (2, "cccccc", False))
+    assert committed_names(dirs, None) == ["step-00000001-bbbbbb", "step-00000003-aaaaaa"]
+
+
+def test_with_a_pointer_manifests_newer_than_it_are_not_committed() -> None:
+    dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", True), (2, "cccccc", True),
+                 (3, "dddddd", True))
+    assert committed_names(dirs, "step-00000002-bbbbbb") == [
+        "step-00000001-aaaaaa", "step-00000002-bbbbbb"]
+
+
+def test_retention_keeps_the_newest_committed_and_drops_partials() -> None:
+    dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", True), (3, "cccccc", False),
+                 (4, "dddddd", True), (5, "eeeeee", False))
+    doomed = names_to_remove(dirs, None, keep=2, in_flight={"step-00000005-eeeeee"})
+    assert doomed == ["step-00000001-aaaaaa", "step-00000003-cccccc"]
+
+
+def test_retention_with_keep_zero_keeps_every_committed() -> None:
+    dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", False))
+    assert names_to_remove(dirs, None, keep=0, in_flight=set()) == ["step-00000002-bbbbbb"]
+
+
+def test_retention_removes_a_fenced_out_manifest_newer_than_the_pointer() -> None:
+    dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", True))
+    assert names_to_remove(dirs, "step-00000001-aaaaaa", keep=3, in_flight=set()) == [
+        "step-00000002-bbbbbb"]
+
+
+def test_scan_and_manifest_io_on_memory_storage() -> None:
+    storage = FsspecStorage(f"memory://manifest-{uuid.uuid4().hex[:8]}")
+    manifest = Manifest(name="step-00000002-abcdef", step=2, files=())
+    storage.write_bytes("step-00000001-aaaaaa/__0_0.distcp", b"12345")
+    write_manifest(storage, manifest)
+    storage.write_bytes("not-a-checkpoint/x", b"")
+    assert scan(storage) == [DirState("step-00000001-aaaaaa", False, 5),
+                             DirState("step-00000002-abcdef", True,
+                                      len(manifest.to_json()))]
+    assert read_manifest(storage, "step-00000002-abcdef") == manifest
+    with pytest.raises(CorruptShardError, match=f"{MANIFEST_FILE} is missing"):
+        read_manifest(storage, "step-00000001-aaaaaa")
