@@ -1,0 +1,231 @@
+"""The pure round decisions: who forms which round, when, and with which ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_rt.errors import StoreStateError
+from elastic_rt.rendezvous.rounds import (
+    Closed,
+    Limits,
+    NodeInfo,
+    Participate,
+    Propose,
+    Round,
+    Snapshot,
+    Wait,
+    decide,
+    next_members,
+    restart_round,
+)
+from elastic_rt.testing import FakeClock
+
+LIMITS = Limits(min_nodes=2, max_nodes=4, last_call=5.0)
+
+
+def nodes(*names: str, nproc: int = 1) -> dict[str, NodeInfo]:
+    """Nodes that arrived in the order given."""
+    return {
+        name: NodeInfo(node_id=name, host=f"h-{name}", nproc=nproc, joined_revision=10 + i)
+        for i, name in enumerate(names)
+    }
+
+
+def round_of(*members: str, number: int = 0, token: int = 50) -> Round:
+    return Round(
+        number=number,
+        members=members,
+        nprocs=(1,) * len(members),
+        hosts=tuple(f"h-{m}" for m in members),
+        token=token,
+    )
+
+
+def decide_at(clock: FakeClock, snapshot: Snapshot, me: str, *, quorum_since: float | None = None,
+              limits: Limits = LIMITS):  # type: ignore[no-untyped-def]
+    return decide(snapshot, me, limits, now=clock(), quorum_since=quorum_since, now_ms=clock.now_ms)
+
+
+@pytest.fixture()
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+# first round -----------------------------------------------------------------------
+def test_first_round_waits_below_min(clock: FakeClock) -> None:
+    action = decide_at(clock, Snapshot(round=None, nodes=nodes("a")), "a")
+    assert isinstance(action, Wait)
+    assert action.quorum_since is None
+    assert not action.stop_workers
+
+
+def test_first_round_forms_at_once_when_max_nodes_registered(clock: FakeClock) -> None:
+    action = decide_at(clock, Snapshot(round=None, nodes=nodes("c", "a", "d", "b")), "a")
+    assert isinstance(action, Propose)
+    assert action.expected_token == 0
+    assert action.round.number == 0
+    assert action.round.members == ("c", "a", "d", "b")  # arrival order
+    assert action.round.hosts == ("h-c", "h-a", "h-d", "h-b")
+    assert action.round.created_ms == clock.now_ms
+
+
+def test_first_round_takes_only_max_nodes_in_arrival_order(clock: FakeClock) -> None:
+    action = decide_at(clock, Snapshot(round=None, nodes=nodes(*"abcdef")), "f")
+    assert isinstance(action, Propose)
+    assert action.round.members == ("a", "b", "c", "d")
+
+
+def test_last_call_window_opens_at_min_and_forms_when_it_ends(clock: FakeClock) -> None:
+    snapshot = Snapshot(round=None, nodes=nodes("a", "b"))
+    first = decide_at(clock, snapshot, "a")
+    assert isinstance(first, Wait)
+    assert first.quorum_since == clock()
+
+    clock.advance(LIMITS.last_call - 0.1)
+    still = decide_at(clock, snapshot, "a", quorum_since=first.quorum_since)
+    assert isinstance(still, Wait)
+    assert still.quorum_since == first.quorum_since  # the window does not restart
+
+    clock.advance(0.1)
+    formed = decide_at(clock, snapshot, "a", quorum_since=first.quorum_since)
+    assert isinstance(formed, Propose)
+    assert formed.round.members == ("a", "b")
+    assert formed.expected_token == 0
+
+
+def test_max_nodes_arriving_during_last_call_form_at_once(clock: FakeClock) -> None:
+    since = clock()
+    clock.advance(1.0)
+    action = decide_at(clock, Snapshot(round=None, nodes=nodes(*"abcd")), "b", quorum_since=since)
+    assert isinstance(action, Propose)
+
+
+def test_node_ids_break_ties_in_arrival_order() -> None:
+    same = {n: NodeInfo(node_id=n, host="h", nproc=1, joined_revision=7) for n in ("z", "y", "x")}
+    assert next_members(None, same, 10) == ("x", "y", "z")
+
+
+def test_nprocs_and_global_ranks_follow_member_order(clock: FakeClock) -> None:
+    registered = nodes("a", "b")
+    registered["b"] = NodeInfo(node_id="b", host="h-b", nproc=3, joined_revision=11)
+    registered["a"] = NodeInfo(node_id="a", host="h-a", nproc=2, joined_revision=10)
+    action = decide(Snapshot(round=None, nodes=registered), "a", Limits(min_nodes=2, max_nodes=2),
+                    now=clock(), quorum_since=None)  # fmt: skip
+    assert isinstance(action, Propose)
+    assert action.round.nprocs == (2, 3)
+    assert action.round.world_size == 5
+    assert action.round.rank_offset("b") == 2
+    assert action.round.group_rank("b") == 1
+
+
+# a running round --------------------------------------------------------------------
+def test_members_participate_in_an_intact_full_round(clock: FakeClock) -> None:
+    current = round_of(*"abcd")
+    action = decide_at(clock, Snapshot(round=current, nodes=nodes(*"abcd")), "c")
+    assert action == Participate(current)
+
+
+def test_spare_waits_while_the_round_is_full(clock: FakeClock) -> None:
+    current = round_of(*"abcd")
+    snapshot = Snapshot(round=current, nodes=nodes(*"abcde"))
+    spare = decide_at(clock, snapshot, "e")
+    assert isinstance(spare, Wait)
+    assert not spare.stop_workers
+    assert decide_at(clock, snapshot, "a") == Participate(current)
+
+
+def test_lost_member_gives_next_round_with_survivors_in_order_then_newcomers(
+    clock: FakeClock,
+) -> None:
+    current = round_of("d", "b", "a", "c", number=3, token=77)
+    # "b" is gone; "e" and "f" wait, "f" arrived first.
+    registered = nodes("f", "e", "d", "a", "c")
+    for me in ("d", "a", "f"):  # members and waiting nodes all agree on the proposal
+        action = decide_at(clock, Snapshot(round=current, nodes=registered), me)
+        assert isinstance(action, Propose)
+        assert action.expected_token == 77
+        assert action.round.number == 4
+        assert action.round.members == ("d", "a", "c", "f")
+        assert "lost b" in action.round.reason
+
+
+def test_survivor_ranks_keep_their_relative_order(clock: FakeClock) -> None:
+    current = round_of(*"abcd")
+    action = decide_at(clock, Snapshot(round=current, nodes=nodes("a", "c", "d")), "a")
+    assert isinstance(action, Propose)
+    new = action.round
+    survivors = [m for m in current.members if m in new.members]
+    assert [new.group_rank(m) for m in survivors] == sorted(new.group_rank(m) for m in survivors)
+    assert new.members == ("a", "c", "d")
+
+
+def test_waiting_node_is_admitted_while_the_round_has_room(clock: FakeClock) -> None:
+    current = round_of("a", "b", token=9)
+    action = decide_at(clock, Snapshot(round=current, nodes=nodes("a", "b", "c")), "a")
+    assert isinstance(action, Propose)
+    assert action.round.members == ("a", "b", "c")
+    assert action.round.number == current.number + 1
+    assert action.expected_token == 9
+    assert "admitting c" in action.round.reason
+
+
+def test_fewer_than_min_survivors_wait_and_stop_their_workers(clock: FakeClock) -> None:
+    current = round_of("a", "b")
+    snapshot = Snapshot(round=current, nodes=nodes("a"))
+    member = decide_at(clock, snapshot, "a")
+    assert isinstance(member, Wait)
+    assert member.stop_workers
+
+
+def test_a_newcomer_restores_quorum_after_a_loss(clock: FakeClock) -> None:
+    current = round_of("a", "b")
+    action = decide_at(clock, Snapshot(round=current, nodes=nodes("a", "z")), "z")
+    assert isinstance(action, Propose)
+    assert action.round.members == ("a", "z")
+
+
+# finishing --------------------------------------------------------------------------
+def test_closed_job_closes_everyone(clock: FakeClock) -> None:
+    snapshot = Snapshot(round=round_of("a", "b"), nodes=nodes("a", "b"), closed="finished")
+    assert decide_at(clock, snapshot, "a") == Closed("finished")
+    assert decide_at(clock, Snapshot(round=None, nodes={}, closed="failed: x"), "q") == Closed(
+        "failed: x"
+    )
+
+
+def test_completing_job_keeps_members_and_turns_others_away(clock: FakeClock) -> None:
+    current = round_of("a", "b")
+    # Even with "b" lost, a finishing job forms no new round.
+    snapshot = Snapshot(round=current, nodes=nodes("a", "c"), completing=True)
+    assert decide_at(clock, snapshot, "a") == Participate(current)
+    assert isinstance(decide_at(clock, snapshot, "c"), Closed)
+
+
+# restarts and records -------------------------------------------------------------------
+def test_restart_round_keeps_members_and_bumps_the_number() -> None:
+    current = round_of("b", "a", number=2, token=41)
+    proposal = restart_round(current, "worker failed", now_ms=123)
+    assert proposal.expected_token == 41
+    assert proposal.round.number == 3
+    assert proposal.round.members == current.members
+    assert proposal.round.hosts == current.hosts
+    assert proposal.round.nprocs == current.nprocs
+    assert proposal.round.reason == "worker failed"
+    assert proposal.round.created_ms == 123
+
+
+def test_round_and_node_records_round_trip_through_json() -> None:
+    current = round_of("a", "b", number=5, token=0)
+    assert Round.from_json(current.to_json(), token=8) == Round(
+        **{**{f: getattr(current, f) for f in Round.__slots__}, "token": 8}  # type: ignore[arg-type]
+    )
+    info = NodeInfo(node_id="a", host="h", nproc=2, alive_addr="127.0.0.1:9")
+    assert NodeInfo.from_json(info.to_json(), joined_revision=3, lease=4) == NodeInfo(
+        node_id="a", host="h", nproc=2, alive_addr="127.0.0.1:9", joined_revision=3, lease=4
+    )
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff"])
+def test_a_corrupt_record_is_a_store_state_error(raw: bytes) -> None:
+    with pytest.raises(StoreStateError):
+        Round.from_json(raw)
