@@ -1,0 +1,229 @@
+"""The KVStore contract: what the rendezvous relies on from its store.
+
+:class:`KVStoreContract` holds the assertions; each implementation gets a subclass
+that provides the ``kv`` fixture. Today that is only :class:`EtcdKV` against a
+real etcd; an in-memory store for unit tests would subclass it as well.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Callable, Iterator
+
+import pytest
+
+from elastic_rt.errors import StoreConnectionError
+from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.kv import KVStore
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class KVStoreContract:
+    """Subclasses provide a ``kv`` fixture; keys live under a fresh ``prefix``."""
+
+    @pytest.fixture()
+    def prefix(self) -> str:
+        return f"/contract/{uuid.uuid4().hex[:8]}/"
+
+    def test_is_a_kvstore(self, kv: KVStore) -> None:
+        assert isinstance(kv, KVStore)
+
+    def test_get_of_a_missing_key_is_none(self, kv: KVStore, prefix: str) -> None:
+        assert kv.get(prefix + "missing") is None
+
+    def test_put_returns_the_revision_get_reports(self, kv: KVStore, prefix: str) -> None:
+        first = kv.put(prefix + "k", b"one")
+        item = kv.get(prefix + "k")
+        assert item is not None
+        assert (item.key, item.value, item.mod_revision, item.create_revision, item.lease) == (
+            prefix + "k", b"one", first, first, 0
+        )  # fmt: skip
+        second = kv.put(prefix + "k", b"two")
+        item = kv.get(prefix + "k")
+        assert second > first
+        assert item is not None and (item.mod_revision, item.create_revision) == (second, first)
+
+    def test_get_prefix_returns_only_that_prefix_sorted_by_key(self, kv: KVStore, prefix: str) -> None:
+        for key in ("b", "a", "c/d"):
+            kv.put(prefix + "in/" + key, key.encode())
+        kv.put(prefix + "inside", b"sibling")
+        kv.put(prefix + "out/a", b"x")
+        items = kv.get_prefix(prefix + "in/")
+        assert [i.key for i in items] == [prefix + "in/a", prefix + "in/b", prefix + "in/c/d"]
+        assert [i.value for i in items] == [b"a", b"b", b"c/d"]
+        assert kv.get_prefix(prefix + "nothing/") == []
+
+    def test_put_if_absent_succeeds_once(self, kv: KVStore, prefix: str) -> None:
+        key = prefix + "once"
+        revision = kv.put_if(key, b"first", expect={key: 0})
+        assert revision is not None
+        assert kv.put_if(key, b"second", expect={key: 0}) is None
+        item = kv.get(key)
+        assert item is not None and (item.value, item.mod_revision) == (b"first", revision)
+
+    def test_put_if_compares_the_mod_revision(self, kv: KVStore, prefix: str) -> None:
+        key = prefix + "round"
+        first = kv.put(key, b"r0")
+        second = kv.put_if(key, b"r1", expect={key: first})
+        assert second is not None and second > first
+        assert kv.put_if(key, b"stale", expect={key: first}) is None
+        item = kv.get(key)
+        assert item is not None and (item.value, item.mod_revision) == (b"r1", second)
+
+    def test_put_if_can_fence_on_another_key(self, kv: KVStore, prefix: str) -> None:
+        token = kv.put(prefix + "round", b"r0")
+        assert kv.put_if(prefix + "commit", b"c0", expect={prefix + "round": token}) is not None
+        kv.put(prefix + "round", b"r1")
+        assert kv.put_if(prefix + "commit", b"late", expect={prefix + "round": token}) is None
+        item = kv.get(prefix + "commit")
+        assert item is not None and item.value == b"c0"
+
+    def test_only_one_of_many_concurrent_proposers_wins(self, kv: KVStore, prefix: str) -> None:
+        key = prefix + "round"
+        results: list[int | None] = []
+        start = threading.Barrier(8)
+
+        def propose(i: int) -> None:
+            start.wait()
+            results.append(kv.put_if(key, str(i).encode(), expect={key: 0}))
+
+        threads = [threading.Thread(target=propose, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        winners = [r for r in results if r is not None]
+        assert len(results) == 8 and len(winners) == 1
+        item = kv.get(key)
+        assert item is not None and item.mod_revision == winners[0]
+
+    def test_delete_and_delete_prefix(self, kv: KVStore, prefix: str) -> None:
+        kv.put(prefix + "a", b"1")
+        assert kv.delete(prefix + "a") is True
+        assert kv.delete(prefix + "a") is False
+        assert kv.get(prefix + "a") is None
+        for key in ("x/1", "x/2", "y"):
+            kv.put(prefix + key, b"v")
+        kv.delete_prefix(prefix + "x/")
+        assert [i.key for i in kv.get_prefix(prefix)] == [prefix + "y"]
+
+    def test_revoking_a_lease_deletes_its_keys(self, kv: KVStore, prefix: str) -> None:
+        lease = kv.grant_lease(30)
+        kv.put(prefix + "node", b"n", lease=lease)
+        item = kv.get(prefix + "node")
+        assert item is not None and item.lease == lease
+        kv.revoke_lease(lease)
+        assert kv.get(prefix + "node") is None
+        kv.revoke_lease(lease)  # revoking twice is harmless
+
+    def test_an_unrefreshed_lease_expires_with_its_keys(self, kv: KVStore, prefix: str) -> None:
+        lease = kv.grant_lease(2)
+        kv.put(prefix + "node", b"n", lease=lease)
+        wait_until(lambda: kv.get(prefix + "node") is None, 10, "the lease to expire")
+        assert kv.refresh_lease(lease) is False
+
+    def test_a_refreshed_lease_outlives_its_ttl(self, kv: KVStore, prefix: str) -> None:
+        lease = kv.grant_lease(2)
+        kv.put(prefix + "node", b"n", lease=lease)
+        until = time.monotonic() + 3.5
+        while time.monotonic() < until:
+            assert kv.refresh_lease(lease) is True
+            time.sleep(0.5)
+        assert kv.get(prefix + "node") is not None
+        kv.revoke_lease(lease)
+
+    def test_on_change_fires_for_writes_under_the_prefix_until_cancelled(
+        self, kv: KVStore, prefix: str
+    ) -> None:
+        fired = threading.Event()
+        cancel = kv.on_change(prefix + "watched/", fired.set)
+        try:
+            kv.put(prefix + "elsewhere", b"x")
+            kv.put(prefix + "watched/a", b"1")
+            assert fired.wait(5), "no callback for a put"
+            fired.clear()
+            kv.delete(prefix + "watched/a")
+            assert fired.wait(5), "no callback for a delete"
+        finally:
+            cancel()
+        fired.clear()
+        kv.put(prefix + "watched/b", b"2")
+        marker = threading.Event()
+        cancel_marker = kv.on_change(prefix + "marker", marker.set)
+        kv.put(prefix + "marker", b"m")  # once this arrives, an earlier event would have too
+        assert marker.wait(5)
+        cancel_marker()
+        assert not fired.is_set(), "a cancelled watch still fired"
+
+
+class TestEtcdKV(KVStoreContract):
+    @pytest.fixture()
+    def kv(self, etcd_kv: EtcdKV) -> EtcdKV:
+        return etcd_kv
+
+
+class TestEtcdKVAcrossRestarts:
+    """What only a real etcd can show: a restart under a live client."""
+
+    @pytest.fixture()
+    def kv(self, fresh_etcd: EtcdServer) -> Iterator[EtcdKV]:
+        kv = EtcdKV(fresh_etcd.endpoint, timeout=2)
+        yield kv
+        kv.close()
+
+    def test_on_change_survives_an_etcd_restart(self, kv: EtcdKV, fresh_etcd: EtcdServer) -> None:
+        fired = threading.Event()
+        cancel = kv.on_change("/restart/", fired.set)
+        try:
+            kv.put("/restart/before", b"1")
+            assert fired.wait(5)
+            fired.clear()
+            fresh_etcd.kill()
+            fresh_etcd.restart()
+            # The broken stream calls back once; then the re-armed watch sees new writes.
+            assert fired.wait(10), "no callback when the watch broke"
+            wait_until(lambda: _put_and_see(kv, fired), 20, "the watch to re-arm")
+            assert kv.get("/restart/before") is not None  # data survived the restart
+        finally:
+            cancel()
+
+    def test_calls_to_a_dead_etcd_raise_store_connection_error(
+        self, kv: EtcdKV, fresh_etcd: EtcdServer
+    ) -> None:
+        kv.put("/dead/k", b"v")
+        fresh_etcd.kill()
+        with pytest.raises(StoreConnectionError):
+            kv.get("/dead/k")
+        fresh_etcd.restart()
+        wait_until(lambda: _answers(kv), 20, "the client to reconnect")
+        item = kv.get("/dead/k")
+        assert item is not None and item.value == b"v"
+
+
+def _put_and_see(kv: KVStore, fired: threading.Event) -> bool:
+    fired.clear()
+    try:
+        kv.put("/restart/after", uuid.uuid4().hex.encode())
+    except StoreConnectionError:
+        return False
+    return fired.wait(1)
+
+
+def _answers(kv: KVStore) -> bool:
+    try:
+        kv.get("/dead/k")
+    except StoreConnectionError:
+        return False
+    return True
