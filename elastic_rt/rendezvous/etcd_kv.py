@@ -1,8 +1,14 @@
 """The only importer of ``etcd3``: the KVStore protocol over the etcd v3 API.
 
 Every etcd or gRPC failure is translated here, keeping the cause (``from exc``):
-connection problems become :class:`StoreConnectionError` (retryable), refused
-credentials become :class:`CredentialsError` (a user mistake).
+connection problems become :class:`StoreConnectionError` (retryable); a refused
+certificate, password or permission becomes :class:`CredentialsError` (a user
+mistake, printed as one line by the CLI).
+
+Security: TLS with an optional client certificate, and etcd's user/password auth.
+The password is sent once per log-in and never logged; etcd's simple tokens die
+when etcd restarts (and expire after ``--auth-token-ttl``), so a refused token is
+renewed by logging in again and the call retried once.
 """
 
 from __future__ import annotations
@@ -17,14 +23,18 @@ from typing import Any, Callable, TypeVar
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import etcd3  # noqa: E402 - after the gRPC setting above
-import etcd3.watch
+import etcd3.watch  # noqa: E402
 import grpc  # noqa: E402
 import six  # noqa: E402
 
-
-from elastic_rt.config import EtcdAuth
-from elastic_rt.errors import CredentialsError, StoreConnectionError
-from elastic_rt.rendezvous.kv import KeyValue
+from elastic_rt.config import ETCD_PASSWORD_ENV, EtcdAuth  # noqa: E402
+from elastic_rt.errors import (  # noqa: E402
+    ConfigError,
+    CredentialsError,
+    ElasticError,
+    StoreConnectionError,
+)
+from elastic_rt.rendezvous.kv import KeyValue  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -35,28 +45,32 @@ if not hasattr(etcd3.watch, "six"):
     etcd3.watch.six = six
 
 T = TypeVar("T")
-_AUTH_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+_SECURITY_GUIDE = "docs/etcd-security.md"
+# TLS alerts a server sends when it does not accept our client certificate.
+_CLIENT_CERT_ALERTS = ("BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "UNKNOWN_CA")
 
 
 def _translated(method: Callable[..., T]) -> Callable[..., T]:
+    """Log in first if needed, renew a dead token once, and translate every failure."""
+
     @functools.wraps(method)
     def wrapper(self: "EtcdKV", *args: Any, **kwargs: Any) -> T:
+        what = method.__name__ + (f" {args[0]}" if args and isinstance(args[0], str) else "")
         try:
-            return method(self, *args, **kwargs)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code in _AUTH_CODES:
-                raise CredentialsError(
-                    f"etcd at {self.endpoint} refused our credentials ({code.name})",  # type: ignore[union-attr]
-                    "Check --etcd-user/--etcd-password or the client certificate.",
-                ) from exc
-            raise StoreConnectionError(
-                f"The connection to etcd at {self.endpoint} failed. See inner exception for details."
-            ) from exc
-        except (etcd3.exceptions.Etcd3Exception, ValueError) as exc:
-            raise StoreConnectionError(
-                f"The connection to etcd at {self.endpoint} failed. See inner exception for details."
-            ) from exc
+            if self._needs_login:
+                self._login()
+            try:
+                return method(self, *args, **kwargs)
+            except grpc.RpcError as exc:
+                if not self._token_refused(exc):
+                    raise
+                logger.info("etcd at %s refused our auth token; logging in again", self.endpoint)
+                self._login()
+                return method(self, *args, **kwargs)
+        except ElasticError:
+            raise
+        except (grpc.RpcError, etcd3.exceptions.Etcd3Exception, ValueError) as exc:
+            raise self._translate(exc, what) from exc
 
     return wrapper
 
@@ -66,36 +80,127 @@ class EtcdKV:
 
     Args:
         endpoint: ``host:port``.
-        auth: TLS files and user/password; the password is only handed to the client.
+        auth: TLS files and user/password; the password is only handed to etcd.
         timeout: seconds for each unary call, so a dead etcd fails fast.
+
+    Raises:
+        ConfigError: a certificate or key file cannot be read.
+        CredentialsError: etcd refused the user name or password.
     """
 
     def __init__(self, endpoint: str, *, auth: EtcdAuth | None = None, timeout: float = 5.0) -> None:
         self.endpoint = endpoint
+        self._auth = auth or EtcdAuth()
+        self._timeout = timeout
+        self._login_lock = threading.Lock()
+        self._needs_login = self._auth.user is not None
         host, _, port = endpoint.rpartition(":")
-        auth = auth or EtcdAuth()
-        try:
-            self._client = etcd3.client(
-                host=host,
-                port=int(port),
-                ca_cert=auth.cacert,
-                cert_cert=auth.cert,
-                cert_key=auth.key,
-                user=auth.user,
-                password=auth.password,
-                timeout=timeout,
+        secure = self._auth.is_tls
+        if self._auth.user and not secure:
+            logger.warning(
+                "sending the etcd password of %s without TLS; see %s", self._auth.user, _SECURITY_GUIDE
             )
-        except grpc.RpcError as exc:
-            raise CredentialsError(
-                f"etcd at {endpoint} refused to authenticate user {auth.user!r}",
-                "Check --etcd-user and --etcd-password.",
-            ) from exc
-        # The client benches an endpoint for 300 s after one failed call. With a single
-        # endpoint that turns an etcd restart of a second into five minutes of errors,
-        # so let gRPC reconnect on the next call instead.
-        for node in self._client.endpoints.values():
-            node.time_retry = 0
+        # The client benches an endpoint for 300 s after one failed call by default. With a
+        # single endpoint that turns an etcd restart of a second into five minutes of
+        # errors, so time_retry=0 lets gRPC reconnect on the next call instead.
+        node = etcd3.Endpoint(
+            host, int(port), secure=secure, creds=_channel_credentials(self._auth) if secure else None,
+            time_retry=0,
+        )  # fmt: skip
+        self._client = etcd3.MultiEndpointEtcd3Client(endpoints=[node], timeout=timeout)
+        if self._needs_login:
+            try:
+                self._login()
+            except StoreConnectionError:
+                # etcd may not be up yet: the first call logs in (and reports the outage).
+                logger.debug("etcd at %s unreachable; logging in at the first call", endpoint)
 
+    # security -------------------------------------------------------------------
+    def _login(self) -> None:
+        """Exchange user/password for a token and attach it to every later call."""
+        request = etcd3.etcdrpc.AuthenticateRequest(
+            name=self._auth.user, password=self._auth.password or ""
+        )
+        with self._login_lock:
+            try:
+                response = self._client.authstub.Authenticate(request, self._timeout)
+            except grpc.RpcError as exc:
+                disabled = "authentication is not enabled" in (exc.details() or "")
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and disabled:
+                    logger.warning(
+                        "etcd at %s has auth disabled; --etcd-user is not checked", self.endpoint
+                    )
+                    self._needs_login = False
+                    return
+                raise self._translate(exc, "log-in") from exc
+            token = response.token
+            self._client.metadata = (("token", token),)
+            # Call credentials are refused on a plaintext channel; the metadata carries
+            # the token there as well.
+            creds = grpc.metadata_call_credentials(_Token(token)) if self._auth.is_tls else None
+            self._client.call_credentials = creds
+            watcher = self._client._stubs.get("watcher")
+            if watcher is not None:  # it copied the old token when it was made
+                watcher._metadata = self._client.metadata
+                watcher._credentials = creds
+            self._needs_login = False
+
+    def _token_refused(self, exc: grpc.RpcError) -> bool:
+        """A token etcd forgot (restart, TTL) or issued before a role change: log in again."""
+        if self._auth.user is None:
+            return False
+        details = (exc.details() if hasattr(exc, "details") else None) or ""
+        return "invalid auth token" in details or "auth store is old" in details
+
+    def _translate(self, exc: BaseException, what: str) -> ElasticError:
+        """One line that names the cause, for a gRPC error or an etcd3 wrapper of one."""
+        rpc = exc if isinstance(exc, grpc.RpcError) else exc.__context__
+        code = rpc.code() if isinstance(rpc, grpc.RpcError) and hasattr(rpc, "code") else None
+        details = (rpc.details() or "") if code is not None else str(exc)
+        short = _short(details)
+        user = self._auth.user
+        if "handshake failed" in details.lower():
+            return self._tls_error(details, short)
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            fix = (
+                f"Grant etcd user {user!r} readwrite on its run's prefix /elastic_rt/<run_id>/ "
+                f"({_SECURITY_GUIDE})."
+                if user
+                else f"Pass --etcd-user (password in {ETCD_PASSWORD_ENV}) or a client certificate "
+                f"whose CN is an etcd user ({_SECURITY_GUIDE})."
+            )
+            return CredentialsError(f"etcd at {self.endpoint} denied {what}: {short}", fix)
+        if code == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in details:
+            return CredentialsError(
+                f"etcd at {self.endpoint} rejected user {user!r}: wrong user name or password",
+                f"Check --etcd-user and {ETCD_PASSWORD_ENV}.",
+            )
+        if code == grpc.StatusCode.INVALID_ARGUMENT and "user name is empty" in details:
+            return CredentialsError(
+                f"etcd at {self.endpoint} requires authentication",
+                f"Pass --etcd-user with {ETCD_PASSWORD_ENV}, or a client certificate ({_SECURITY_GUIDE}).",
+            )
+        return StoreConnectionError(f"etcd at {self.endpoint} failed on {what}: {short}")
+
+    def _tls_error(self, details: str, short: str) -> CredentialsError:
+        if "CERTIFICATE_VERIFY_FAILED" in details:
+            trusted = self._auth.cacert or "the system's CA bundle"
+            return CredentialsError(
+                f"etcd at {self.endpoint} presented a TLS certificate that {trusted} does not trust",
+                "Pass the CA that signed etcd's certificate as --etcd-cacert.",
+            )
+        if any(alert in details for alert in _CLIENT_CERT_ALERTS):
+            given = "" if self._auth.cert else " (none was given)"
+            return CredentialsError(
+                f"etcd at {self.endpoint} refused our TLS client certificate{given}",
+                "Pass --etcd-cert and --etcd-key signed by a CA in etcd's --trusted-ca-file.",
+            )
+        return CredentialsError(
+            f"TLS handshake with etcd at {self.endpoint} failed: {short}",
+            "Check that etcd serves TLS there and --etcd-cacert/--etcd-cert/--etcd-key.",
+        )
+
+    # KVStore ----------------------------------------------------------------------
     @staticmethod
     def _kv(key: str, value: bytes, meta: Any) -> KeyValue:
         return KeyValue(
@@ -173,15 +278,65 @@ class EtcdKV:
         return int(self._client.status().raft_index)
 
     def on_change(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
-        watch = _Watch(self._client, prefix, callback)
+        watch = _Watch(self, prefix, callback)
         watch.arm()
         return watch.cancel
+
+    @_translated
+    def _add_watch(self, prefix: str, callback: Callable[[Any], None]) -> int:
+        return int(self._client.add_watch_prefix_callback(prefix, callback))
+
+    def _cancel_watch(self, watch_id: int) -> None:
+        self._client.cancel_watch(watch_id)
 
     def close(self) -> None:
         try:
             self._client.close()
         except Exception:  # noqa: BLE001 - closing a broken channel must not raise
             logger.debug("closing etcd client failed", exc_info=True)
+
+
+def _channel_credentials(auth: EtcdAuth) -> grpc.ChannelCredentials:
+    """TLS credentials from the PEM files; no CA file means the system's CA bundle."""
+    if bool(auth.cert) != bool(auth.key):
+        raise ConfigError("--etcd-cert and --etcd-key go together", "Pass both or neither.")
+    contents = {}
+    files = (("--etcd-cacert", auth.cacert), ("--etcd-cert", auth.cert), ("--etcd-key", auth.key))
+    for flag, path in files:
+        if path is None:
+            contents[flag] = None
+            continue
+        try:
+            with open(path, "rb") as handle:
+                contents[flag] = handle.read()
+        except OSError as exc:
+            raise ConfigError(
+                f"{flag} {path} cannot be read ({exc.strerror})", "Check the path and its permissions."
+            ) from exc
+    return grpc.ssl_channel_credentials(
+        root_certificates=contents["--etcd-cacert"],
+        private_key=contents["--etcd-key"],
+        certificate_chain=contents["--etcd-cert"],
+    )
+
+
+def _short(details: str) -> str:
+    """The useful tail of a gRPC message, on one line."""
+    text = " ".join(details.split())
+    if "last error:" in text:
+        text = text.rsplit("last error:", 1)[1].strip()
+    text = text.removeprefix("etcdserver: ").removesuffix(": OK")
+    return text[:200]
+
+
+class _Token(grpc.AuthMetadataPlugin):
+    """Hands etcd's auth token to gRPC on a TLS channel."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def __call__(self, context: Any, callback: Any) -> None:
+        callback((("token", self._token),), None)
 
 
 class _Watch:
@@ -191,8 +346,8 @@ class _Watch:
     poll as well, so a missed event only costs them one poll interval.
     """
 
-    def __init__(self, client: Any, prefix: str, callback: Callable[[], None]) -> None:
-        self._client = client
+    def __init__(self, kv: EtcdKV, prefix: str, callback: Callable[[], None]) -> None:
+        self._kv = kv
         self._prefix = prefix
         self._callback = callback
         self._watch_id: int | None = None
@@ -200,7 +355,7 @@ class _Watch:
 
     def arm(self) -> None:
         try:
-            self._watch_id = self._client.add_watch_prefix_callback(self._prefix, self._relay)
+            self._watch_id = self._kv._add_watch(self._prefix, self._relay)
         except Exception:  # noqa: BLE001 - thread boundary: log and retry later
             logger.debug("watch on %s not armed; retrying", self._prefix, exc_info=True)
             self._rearm_later()
@@ -221,6 +376,6 @@ class _Watch:
         self._cancelled.set()
         if self._watch_id is not None:
             try:
-                self._client.cancel_watch(self._watch_id)
+                self._kv._cancel_watch(self._watch_id)
             except Exception:  # noqa: BLE001 - a dead store has nothing left to cancel
                 logger.debug("cancelling watch on %s failed", self._prefix, exc_info=True)
