@@ -43,6 +43,7 @@ ETCD_CERT_ENV = "ELASTIC_RT_ETCD_CERT"
 ETCD_KEY_ENV = "ELASTIC_RT_ETCD_KEY"
 ETCD_USER_ENV = "ELASTIC_RT_ETCD_USER"
 ETCD_PASSWORD_ENV = "ELASTIC_RT_ETCD_PASSWORD"
+ETCD_TLS_ENV = "ELASTIC_RT_ETCD_TLS"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -68,18 +69,25 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EtcdAuth:
-    """How to reach a secured etcd. Secrets never appear in ``repr`` or logs."""
+    """How to reach a secured etcd (see docs/etcd-security.md).
+
+    Only file paths and the user name are kept in the clear: the password stays out of
+    ``repr`` (so out of logs and events), and key files are read by the gRPC client alone.
+    """
 
     cacert: str | None = None
     """CA bundle that signed etcd's server certificate (enables TLS)."""
     cert: str | None = None
-    """Client certificate for mutual TLS."""
+    """Client certificate for mutual TLS (enables TLS)."""
     key: str | None = None
     """Client private key for mutual TLS."""
     user: str | None = None
     """etcd user name for password auth."""
     password: str | None = field(default=None, repr=False)
     """etcd password; kept out of repr."""
+    tls: bool = False
+    """TLS even without a CA file (``etcds://``): etcd's certificate is checked against
+    the system's CA bundle."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "EtcdAuth":
@@ -89,6 +97,7 @@ class EtcdAuth:
             key=env.get(ETCD_KEY_ENV) or None,
             user=env.get(ETCD_USER_ENV) or None,
             password=env.get(ETCD_PASSWORD_ENV) or None,
+            tls=env.get(ETCD_TLS_ENV) == "1",
         )
 
     def to_env(self) -> dict[str, str]:
@@ -98,12 +107,13 @@ class EtcdAuth:
             ETCD_KEY_ENV: self.key,
             ETCD_USER_ENV: self.user,
             ETCD_PASSWORD_ENV: self.password,
+            ETCD_TLS_ENV: "1" if self.tls else None,
         }
         return {k: v for k, v in pairs.items() if v}
 
     @property
     def is_tls(self) -> bool:
-        return self.cacert is not None
+        return self.tls or self.cacert is not None or self.cert is not None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
