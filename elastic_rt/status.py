@@ -305,7 +305,8 @@ def _restarts_text(status: RunStatus) -> str:
 def _table(nodes: Sequence[NodeStatus]) -> list[str]:
     header = ("node", "host", "nproc", "group rank", "state")
     rows = [header] + [
-        (n.node_id, n.host, str(n.nproc), "-" if n.group_rank is None else str(n.group_rank), n.state)
+        (n.node_id, n.host, str(n.nproc), "-" if n.group_rank is None else str(n.group_rank),
+         n.state)
         for n in nodes
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -99,7 +99,9 @@ def load_events(paths: Sequence[str]) -> list[Event]:
     """
     for path in paths:
         if not os.path.isfile(path):
-            raise NoEventsError(f"event file {path} does not exist", "Pass the --events-file an agent wrote.")
+            raise NoEventsError(
+                f"event file {path} does not exist", "Pass the --events-file an agent wrote."
+            )
     seen: set[str] = set()
     merged = []
     for path in paths:
@@ -211,7 +213,9 @@ def draw_timeline(paths: Sequence[str], output: str) -> str:
     events = load_events(paths)
     extension = os.path.splitext(output)[1].lower().lstrip(".")
     if extension not in ("png", "svg", "pdf"):
-        raise ConfigError(f"output {output} is not .png, .svg or .pdf", "Pass for example -o run.png.")
+        raise ConfigError(
+            f"output {output} is not .png, .svg or .pdf", "Pass for example -o run.png."
+        )
     figure = _draw(events, find_recoveries(events))
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     figure.savefig(output, dpi=130, bbox_inches="tight")
@@ -221,27 +225,44 @@ def draw_timeline(paths: Sequence[str], output: str) -> str:
 def node_order(events: Sequence[Event]) -> list[str]:
     """Every node named in ``events``, in natural order (``n2`` before ``n10``)."""
     nodes = {e.node for e in events if e.node}
-    nodes |= {str(e.metadata["lost"]) for e in events if e.name == "node.lost" and "lost" in e.metadata}
-    return sorted(nodes, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
+    nodes |= {str(e.metadata["lost"])
+              for e in events if e.name == "node.lost" and e.metadata.get("lost")}  # fmt: skip
+    return sorted(nodes, key=_natural)
 
 
-def worker_bars(events: Sequence[Event], recoveries: Sequence[Recovery]) -> dict[str, list[tuple[int, int, int | None]]]:
-    """Per node, the ``(start_ms, end_ms, round)`` spans its workers were running."""
+def _natural(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+Bar = tuple[int, int, "int | None"]
+
+
+def worker_bars(events: Sequence[Event], recoveries: Sequence[Recovery]) -> dict[str, list[Bar]]:
+    """Per node, the ``(start_ms, end_ms, round)`` spans its workers ran in each round.
+
+    A bar ends when the node's workers stop (failed, left, fenced, finished), when the
+    node is lost (at the recovery's start: its last sign of life), or when a new round
+    forms; workers that stay alive across rounds (in-process recovery) continue in a
+    new bar for the new round.
+    """
     formed = {e.round: e.timestamp_ms for e in events if e.name == "round.formed"}
     lost_at = {r.round: r.start_ms for r in recoveries}
-    end_of_run = events[-1].timestamp_ms
-    bars: dict[str, list[tuple[int, int, int | None]]] = defaultdict(list)
+    bars: dict[str, list[Bar]] = defaultdict(list)
     open_bar: dict[str, tuple[int, int | None]] = {}
 
     def close(node: str, at: int) -> None:
         if node in open_bar:
             start, number = open_bar.pop(node)
-            bars[node].append((start, max(start, at), number))
+            if at > start:
+                bars[node].append((start, at, number))
 
     for e in events:
         if e.name == "node.lost":
-            node = str(e.metadata.get("lost"))
-            close(node, lost_at.get(e.round, e.timestamp_ms))
+            close(str(e.metadata.get("lost")), lost_at.get(e.round, e.timestamp_ms))
+        elif e.name == "round.formed":
+            for node in set(e.metadata.get("members", ())) & set(open_bar):
+                close(node, e.timestamp_ms)
+                open_bar[node] = (e.timestamp_ms, e.round)
         elif not e.node or e.source != "agent":
             continue
         elif e.name in ("worker.started", "worker.restarted"):
@@ -250,7 +271,7 @@ def worker_bars(events: Sequence[Event], recoveries: Sequence[Recovery]) -> dict
         elif e.name in BAR_ENDS:
             close(e.node, e.timestamp_ms)
     for node in list(open_bar):
-        close(node, end_of_run)
+        close(node, events[-1].timestamp_ms)
     return dict(bars)
 
 
@@ -275,7 +296,11 @@ MARKERS = {
     "agent.fenced": ("D", "#9467bd", "fenced itself"),
     "job.finished": ("P", "#222222", "finished"),
 }
-LINES = {"node.lost": ("#d62728", "--"), "node.left": ("#ff7f0e", "--"), "node.joined": ("#2ca02c", ":")}
+LINES = {
+    "node.lost": ("#d62728", "--"),
+    "node.left": ("#ff7f0e", "--"),
+    "node.joined": ("#2ca02c", ":"),
+}
 SHADE = "#7f7f7f"
 
 
@@ -300,7 +325,8 @@ def _draw(events: Sequence[Event], recoveries: Sequence[Recovery]) -> Any:
     frame = _Frame(events[0].timestamp_ms, events[-1].timestamp_ms,
                    {n: palette(i % 10) for i, n in enumerate(nodes)})  # fmt: skip
     steps = step_series(events)
-    panels = (["steps"] if steps else []) + ["nodes"] + (["recovery"] if recoveries else []) + ["world"]
+    panels = ["steps"] if steps else []
+    panels += ["nodes", "recovery", "world"] if recoveries else ["nodes", "world"]
     sizes = {"steps": 3.2, "nodes": 0.42 * len(nodes) + 0.5, "recovery": 0.55, "world": 1.2}
     figure = Figure(figsize=(12, sum(sizes[p] for p in panels) + 1.0), layout="constrained")
     axes = figure.subplots(len(panels), 1, sharex=True,
@@ -332,7 +358,9 @@ def _title(events: Sequence[Event], recoveries: Sequence[Recovery], nodes: list[
     return text
 
 
-def _shade_and_mark(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery], frame: _Frame) -> None:
+def _shade_and_mark(
+    ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery], frame: _Frame
+) -> None:
     for r in recoveries:
         ax.axvspan(frame.x(r.start_ms), frame.x(r.end_ms), color=SHADE, alpha=0.13, lw=0)
     for e, colour, style in _line_events(events):
@@ -360,8 +388,9 @@ def _label_lines(ax: Any, events: Sequence[Event], frame: _Frame) -> None:
         x = frame.x(e.timestamp_ms)
         who = e.metadata.get("lost") if e.name == "node.lost" else e.node
         level = level + 1 if x - last_x < 0.06 * span else 0
-        ax.annotate(f"{who} {e.name.split('.')[1]}", xy=(x, 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(3, 2 + 10 * level), textcoords="offset points", fontsize=8.5,
+        ax.annotate(f"{who} {e.name.split('.')[1]}", xy=(x, 1.0),
+                    xycoords=("data", "axes fraction"), xytext=(3, 2 + 10 * level),
+                    textcoords="offset points", fontsize=8.5,
                     color=colour, fontweight="bold")  # fmt: skip
         last_x = x
 
@@ -375,12 +404,15 @@ def _draw_steps(ax: Any, steps: dict[tuple[str, Any], list[tuple[int, int]]],
         width = 1.2 + 3.0 * (len(workers) - 1 - i) / max(len(workers) - 1, 1)
         for segment in _segments(steps[(node, rank)], recoveries):
             ax.plot([frame.x(t) for t, _ in segment], [s for _, s in segment],
-                    color=frame.colours.get(node, "#555555"), lw=width, solid_capstyle="butt")  # fmt: skip
+                    color=frame.colours.get(node, "#555555"), lw=width,
+                    solid_capstyle="butt")  # fmt: skip
     ax.set_ylabel("step (a line per worker)")
     ax.set_ylim(bottom=0)
 
 
-def _segments(points: list[tuple[int, int]], recoveries: Sequence[Recovery]) -> list[list[tuple[int, int]]]:
+def _segments(
+    points: list[tuple[int, int]], recoveries: Sequence[Recovery]
+) -> list[list[tuple[int, int]]]:
     """Split where a step does not move forward (work redone) or a recovery lies between."""
     segments: list[list[tuple[int, int]]] = []
     for t, step in points:
@@ -402,7 +434,8 @@ def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
         for start, end, number in spans:
             width = frame.x(end) - frame.x(start)
             ax.broken_barh([(frame.x(start), width)], (lane[node] - 0.28, 0.56),
-                           facecolors=frame.colours[node], alpha=0.85)  # fmt: skip
+                           facecolors=frame.colours[node], edgecolors="white", linewidth=1.5,
+                           alpha=0.85)  # fmt: skip
             if number is not None and width > 0.07 * span:
                 ax.text(frame.x(start) + width / 2, lane[node], f"round {number}", ha="center",
                         va="center", fontsize=8, color="white", fontweight="bold")  # fmt: skip
@@ -422,10 +455,12 @@ def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
 def _draw_recovery(ax: Any, recoveries: Sequence[Recovery], frame: _Frame) -> None:
     for r in recoveries:
         for p in r.phases:
-            ax.broken_barh([(frame.x(p.start_ms), frame.x(p.end_ms) - frame.x(p.start_ms))], (0.15, 0.7),
+            start = frame.x(p.start_ms)
+            ax.broken_barh([(start, frame.x(p.end_ms) - start)], (0.15, 0.7),
                            facecolors=PHASE_COLOURS[p.label])  # fmt: skip
         ax.annotate(_duration(r), xy=(frame.x(r.end_ms), 0.5), xytext=(4, 0),
-                    textcoords="offset points", va="center", fontsize=9, fontweight="bold")  # fmt: skip
+                    textcoords="offset points", va="center", fontsize=9,
+                    fontweight="bold")  # fmt: skip
     ax.set_yticks([])
     ax.set_ylim(0, 1)
     ax.set_ylabel("recovery", rotation=0, ha="right", va="center")
@@ -448,7 +483,9 @@ def _draw_world(ax: Any, events: Sequence[Event], frame: _Frame) -> None:
     ax.set_ylabel("world size")
 
 
-def _legend(figure: Any, events: Sequence[Event], recoveries: Sequence[Recovery], frame: _Frame) -> None:
+def _legend(
+    figure: Any, events: Sequence[Event], recoveries: Sequence[Recovery], frame: _Frame
+) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -457,5 +494,5 @@ def _legend(figure: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
     handles += [Line2D([], [], marker=m, color=c, ls="none", ms=8, label=label)
                 for name, (m, c, label) in MARKERS.items() if name in present]  # fmt: skip
     phases = {p.label for r in recoveries for p in r.phases}
-    handles += [Patch(color=c, label=label) for label, c in PHASE_COLOURS.items() if label in phases]
+    handles += [Patch(color=c, label=p) for p, c in PHASE_COLOURS.items() if p in phases]
     figure.legend(handles=handles, loc="outside right center", fontsize=8.5, frameon=False)

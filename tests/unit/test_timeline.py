@@ -1,0 +1,128 @@
+"""The timeline reads recoveries out of events and draws them to a real image file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic_rt.errors import ConfigError, NoEventsError
+from elastic_rt.events import Event
+from elastic_rt.timeline import describe, draw_timeline, find_recoveries, load_events
+
+T0 = 1_700_000_000_000
+
+
+def _event(name: str, at_s: float, node: str, *, source: str = "agent", rank: int | None = None,
+           round: int | None = None, step: int | None = None, **metadata: object) -> Event:
+    return Event(name=name, source=source, timestamp_ms=T0 + int(at_s * 1000), run_id="demo",
+                 node=node, rank=rank, round=round, step=step, metadata=dict(metadata))  # fmt: skip
+
+
+def _steps(node: str, rank: int, start_s: float, end_s: float, first_step: int) -> list[Event]:
+    count = int((end_s - start_s) / 0.25)
+    return [_event("step.completed", start_s + 0.25 * i, node, source="worker", rank=rank,
+                   step=first_step + i) for i in range(count)]  # fmt: skip
+
+
+def in_process_run() -> list[Event]:
+    """Three nodes; c dies at 6 s and is dropped at 8 s; d joins at 12 s; done at 16 s."""
+    events = [_event("node.joined", 0.0, n, host="127.0.0.1", nproc=1) for n in "abc"]
+    events += [_event("round.formed", 0.5, "a", round=0, world_size=3, members=list("abc"),
+                      reason="all nodes joined")]  # fmt: skip
+    events += [_event("worker.started", 0.6, n, round=0, world_size=3) for n in "abc"]
+    for rank, node in enumerate("abc"):
+        events += _steps(node, rank, 1.0, 6.0 if node == "c" else 6.1, 1)
+    events += [_event("step.retried", 6.3, n, source="worker", rank=r) for r, n in enumerate("ab")]
+    events += [_event("node.lost", 8.0, "a", round=1, lost="c"),
+               _event("round.formed", 8.0, "a", round=1, world_size=2, members=list("ab"),
+                      reason="lost c")]  # fmt: skip
+    for name, at in (("groups.reformed", 8.3), ("state.restored", 8.6), ("step.resumed", 8.8)):
+        events += [_event(name, at + 0.05 * r, n, source="worker", rank=r, round=1)
+                   for r, n in enumerate("ab")]  # fmt: skip
+    for rank, node in enumerate("ab"):
+        events += _steps(node, rank, 9.0, 12.0, 21)
+    events += [_event("node.joined", 12.0, "d", host="127.0.0.1", nproc=1),
+               _event("round.formed", 12.1, "a", round=2, world_size=3, members=list("abd"),
+                      reason="admitting d"),
+               _event("worker.started", 12.2, "d", round=2, world_size=3)]  # fmt: skip
+    for name, at in (("groups.reformed", 12.6), ("state.restored", 12.9), ("step.resumed", 13.0)):
+        events += [_event(name, at, n, source="worker", rank=r, round=2)
+                   for r, n in enumerate("abd")]  # fmt: skip
+    for rank, node in enumerate("abd"):
+        events += _steps(node, rank, 13.2, 16.0, 33)
+    events += [_event("job.finished", 16.1, n, round=2) for n in "abd"]
+    return events
+
+
+def _write(path: Path, events: list[Event]) -> str:
+    path.write_text("".join(e.to_json() + "\n" for e in events))
+    return str(path)
+
+
+def test_recoveries_are_timed_from_the_first_fault_through_each_phase() -> None:
+    first, second = find_recoveries(sorted(in_process_run(), key=lambda e: e.timestamp_ms))
+    assert (first.round, first.cause, first.world_before, first.world_after) == (1, "lost c", 3, 2)
+    assert [p.label for p in first.phases] == [
+        "detect + rendezvous", "re-form groups", "restore state", "resume step"]  # fmt: skip
+    assert first.start_ms == T0 + 6300  # the survivors' retried step, not the later lease expiry
+    assert first.end_ms == T0 + 8850  # the slowest rank resumed
+    assert second.cause == "admitting d" and second.start_ms == T0 + 12000
+    assert describe(first).startswith("round 1: lost c, world 3 -> 2, 2.")
+
+
+def test_a_killed_node_without_reports_is_dated_by_its_last_step() -> None:
+    events = [e for e in in_process_run() if e.name != "step.retried"]
+    first = find_recoveries(sorted(events, key=lambda e: e.timestamp_ms))[0]
+    assert first.start_ms == T0 + 5750 and first.is_start_seen
+
+
+def test_agent_events_alone_say_the_detection_time_is_not_seen() -> None:
+    events = [e for e in in_process_run() if e.source == "agent"]
+    first = find_recoveries(events)[0]
+    assert not first.is_start_seen
+    assert "+ detection" in describe(first)
+
+
+def test_draws_a_png_from_agent_and_worker_files(tmp_path: Path) -> None:
+    events = in_process_run()
+    agent = _write(tmp_path / "agent.jsonl", [e for e in events if e.source == "agent"])
+    worker = _write(tmp_path / "worker.jsonl", [e for e in events if e.source == "worker"])
+    out = draw_timeline([agent, worker, agent], str(tmp_path / "fig" / "run.png"))
+    data = Path(out).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 30_000  # a drawn figure, not an empty canvas
+
+
+def test_draws_agent_events_alone_as_svg(tmp_path: Path) -> None:
+    agent = _write(tmp_path / "agent.jsonl", [e for e in in_process_run() if e.source == "agent"])
+    text = Path(draw_timeline([agent], str(tmp_path / "run.svg"))).read_text()
+    assert "<svg" in text and "lost" in text
+
+
+def test_load_merges_files_in_time_order_without_duplicates(tmp_path: Path) -> None:
+    events = in_process_run()
+    a = _write(tmp_path / "a.jsonl", events[::2])
+    b = _write(tmp_path / "b.jsonl", events[1::2] + events[:3])
+    merged = load_events([a, b])
+    assert len(merged) == len(events)
+    assert [e.timestamp_ms for e in merged] == sorted(e.timestamp_ms for e in events)
+
+
+@pytest.mark.parametrize("content", [None, "", "not json\n"])
+def test_a_missing_or_empty_events_file_is_one_clear_error(
+    tmp_path: Path, content: str | None
+) -> None:
+    path = tmp_path / "events.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(NoEventsError) as caught:
+        draw_timeline([str(path)], str(tmp_path / "run.png"))
+    assert "\n" not in caught.value.one_line()
+    assert str(path) in caught.value.one_line()
+
+
+def test_an_unknown_image_format_is_a_config_error(tmp_path: Path) -> None:
+    agent = _write(tmp_path / "agent.jsonl", in_process_run()[:5])
+    with pytest.raises(ConfigError, match="png"):
+        draw_timeline([agent], str(tmp_path / "run.txt"))
