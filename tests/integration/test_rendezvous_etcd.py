@@ -1,0 +1,122 @@
+"""Rendezvous against a real etcd: many simulated nodes (threads) in one process.
+
+Each :class:`~elastic_rt.testing.SimulatedNode` has its own etcd client and lease
+keeper and runs the agent's decide loop; only the workers are missing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+import pytest
+
+from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.rounds import Limits, Round, Wait
+from elastic_rt.testing import SimulatedNode, start_nodes, stop_nodes
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+
+Starter = Callable[..., list[SimulatedNode]]
+
+
+@pytest.fixture()
+def start(etcd_server: EtcdServer) -> Iterator[Starter]:
+    """Start simulated nodes on the session etcd; all are stopped in teardown."""
+    started: list[SimulatedNode] = []
+
+    def _start(run_id: str, names: list[str], limits: Limits, **kwargs: object) -> list[SimulatedNode]:
+        nodes = start_nodes(etcd_server.endpoint, run_id, names, limits, **kwargs)
+        started.extend(nodes)
+        return nodes
+
+    yield _start
+    stop_nodes(started)
+
+
+def agreed_round(nodes: list[SimulatedNode], predicate: Callable[[Round], bool],
+                 timeout: float = 15) -> Round:
+    """The round every node reached; asserts they all hold the same one."""
+    seen = [node.wait_for_round(predicate, timeout) for node in nodes]
+    assert len({(r.number, r.members, r.token) for r in seen}) == 1, seen
+    return seen[0]
+
+
+def test_eight_nodes_form_one_round_with_one_writer_and_ranks_by_arrival(
+    start: Starter, etcd_kv: EtcdKV, run_id: str
+) -> None:
+    names = [f"node-{i}" for i in range(8)]
+    nodes = start(run_id, names, Limits(min_nodes=8, max_nodes=8))
+    formed = agreed_round(nodes, lambda r: r.number == 0)
+
+    assert sorted(formed.members) == names
+    assert formed.world_size == 8
+    assert sum(len(node.proposed) for node in nodes) == 1  # exactly one proposer won
+    registry = RunRegistry(etcd_kv, run_id)
+    registered = registry.nodes()
+    arrival = sorted(registered.values(), key=lambda n: (n.joined_revision, n.node_id))
+    assert formed.members == tuple(n.node_id for n in arrival)
+    stored = registry.current_round()
+    assert stored is not None and stored.token == formed.token  # the token is the round key's revision
+
+
+@pytest.mark.slow
+def test_expired_lease_gives_a_next_round_of_survivors_in_their_order(
+    start: Starter, run_id: str
+) -> None:
+    nodes = start(run_id, [f"node-{i}" for i in range(8)], Limits(min_nodes=6, max_nodes=8), ttl=2)
+    first = agreed_round(nodes, lambda r: r.number == 0)
+    victim = next(n for n in nodes if n.node_id == first.members[3])
+    victim.crash()  # stops renewing; the key goes only when etcd expires the lease
+
+    survivors = [n for n in nodes if n is not victim]
+    second = agreed_round(survivors, lambda r: r.number == 1)
+    assert second.members == tuple(m for m in first.members if m != victim.node_id)
+    assert "lost" in second.reason and victim.node_id in second.reason
+    assert second.token > first.token
+
+
+def test_a_late_node_joins_the_next_round_up_to_max(start: Starter, run_id: str) -> None:
+    limits = Limits(min_nodes=2, max_nodes=4, last_call=0.3)
+    early = start(run_id, ["a", "b", "c"], limits)
+    first = agreed_round(early, lambda r: len(r.members) == 3)
+
+    late = start(run_id, ["d"], limits)
+    grown = agreed_round(early + late, lambda r: "d" in r.members)
+    assert grown.members == (*first.members, "d")  # the old ranks do not move
+    assert grown.number == first.number + 1
+
+    spare = start(run_id, ["e"], limits)[0]
+    # The round is full: "e" waits as a spare, and everyone else stays in "grown".
+    assert _eventually_waits(spare)
+    assert all(node.current == grown for node in early + late)
+
+
+def test_two_run_ids_on_one_etcd_never_see_each_other(
+    start: Starter, etcd_kv: EtcdKV, run_id: str
+) -> None:
+    other_id = run_id + "-other"
+    limits = Limits(min_nodes=3, max_nodes=4, last_call=10)
+    ours = start(run_id, [f"n{i}" for i in range(4)], limits)
+    theirs = start(other_id, [f"n{i}" for i in range(4)], limits)  # the same node names
+    mine = agreed_round(ours, lambda r: r.number == 0)
+    other = agreed_round(theirs, lambda r: r.number == 0)
+
+    assert mine.token != other.token
+    assert RunRegistry(etcd_kv, run_id).nodes().keys() == RunRegistry(etcd_kv, other_id).nodes().keys()
+    leases = {n.lease for n in RunRegistry(etcd_kv, run_id).nodes().values()}
+    assert leases.isdisjoint(n.lease for n in RunRegistry(etcd_kv, other_id).nodes().values())
+    theirs[0].stop()  # a graceful leave in one run ...
+    agreed_round(theirs[1:], lambda r: r.number == 1, timeout=10)
+    assert all(node.current == mine for node in ours)  # ... leaves the other run alone
+
+
+def _eventually_waits(node: SimulatedNode, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if isinstance(node.last_action, Wait):
+            return True
+        time.sleep(0.05)
+    return False
