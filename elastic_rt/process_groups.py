@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from elastic_rt.layout import AXES, Layout
 
@@ -96,69 +98,71 @@ def init_groups(
     if world_size != layout.world_size or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of world {world_size} does not fit layout {layout}")
     if dist.is_initialized():
-        raise RuntimeError("process groups already exist; destroy_groups() the previous round's first")
+        raise RuntimeError("process groups exist already; destroy_groups() the last round's first")
     backend = backend or pick_backend()
-    dist.init_process_group(
-        backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, timeout=timeout
-    )
+    try:
+        groups = _create(store, rank, layout, prefix, timeout, backend)
+    except BaseException:
+        # A half-made round (a peer never came) must not block the next attempt.
+        destroy_groups(None)
+        raise
+    logger.info("Process groups ready: rank %s of %s, layout %s, backend %s",
+                rank, world_size, layout, backend)
+    return groups
+
+
+def _create(store: dist.Store, rank: int, layout: Layout, prefix: str, timeout: timedelta,
+            backend: str) -> Groups:
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
+                            world_size=layout.world_size, timeout=timeout)
     mine = {axis: _axis_group(layout, axis, rank, timeout, backend) for axis in AXES}
     mesh = DeviceMesh.from_group(
         [mine[axis] for axis in AXES],
         "cuda" if backend == "nccl" else "cpu",
-        mesh=torch.arange(world_size).reshape(layout.pp, layout.dp, layout.tp),
+        mesh=torch.arange(layout.world_size).reshape(layout.pp, layout.dp, layout.tp),
         mesh_dim_names=AXES,
     )
-    logger.info("Process groups ready: rank %s of %s, layout %s, backend %s", rank, world_size, layout, backend)
-    world = dist.group.WORLD
-    assert world is not None  # init_process_group just set it
+    # WORLD is Optional in torch's types; init_process_group has just set it.
+    world = cast(dist.ProcessGroup, dist.group.WORLD)
     return Groups(layout=layout, rank=rank, world=world, mesh=mesh, backend=backend, **mine)
 
 
-def _axis_group(layout: Layout, axis: str, rank: int, timeout: timedelta, backend: str) -> dist.ProcessGroup:
+def _axis_group(layout: Layout, axis: str, rank: int, timeout: timedelta,
+                backend: str) -> dist.ProcessGroup:
     # new_group is collective over the whole world: every rank creates every group of the
     # axis, in the same order, and keeps the one it belongs to.
-    mine: dist.ProcessGroup | None = None
-    for ranks in layout.all_groups(axis):
-        group = dist.new_group(ranks, timeout=timeout, backend=backend)
-        if rank in ranks:
-            mine = group
-    assert mine is not None  # all_groups covers every rank
-    return mine
+    all_ranks = layout.all_groups(axis)
+    groups = [dist.new_group(ranks, timeout=timeout, backend=backend) for ranks in all_ranks]
+    return groups[all_ranks.index(layout.group_ranks(axis, rank))]
 
 
 def destroy_groups(groups: Groups | None) -> None:
-    """Destroy every process group of the round (default group included). Never raises.
+    """Destroy every process group in this process (default group included). Never raises.
 
     Safe on groups broken by a dead peer: gloo's teardown only closes sockets, and NCCL
-    communicators are aborted first so that nothing waits on a peer. ``None`` is a no-op, so
-    the loop can call this before its first round.
+    communicators are aborted, which does not wait for a peer. With ``None`` it still
+    destroys whatever exists, so the loop can call it before its first round or after a
+    round that failed half-way.
     """
-    if groups is None or not dist.is_initialized():
+    if not dist.is_initialized():
         return
-    if groups.backend == "nccl":
-        _abort_nccl()
+    what = f"layout {groups.layout}" if groups is not None else "an unfinished round"
     try:
-        dist.destroy_process_group()
+        if dist.get_backend() == "nccl":
+            # destroy would wait for outstanding work, which never ends when a peer is gone.
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     except Exception:  # a broken group may fail its own shutdown; the next round must still start
-        logger.warning("Destroying the process groups of layout %s failed; continuing", groups.layout, exc_info=True)
+        logger.warning("Destroying the process groups of %s failed; continuing", what,
+                       exc_info=True)
     _forget_sharding_cache()
-    logger.info("Process groups of layout %s destroyed", groups.layout)
-
-
-def _abort_nccl() -> None:
-    # ncclCommDestroy waits for outstanding work, which never completes when a peer is gone;
-    # abort does not wait.
-    try:
-        dist.distributed_c10d._abort_process_group()
-    except Exception:
-        logger.warning("Aborting NCCL communicators failed; destroying anyway", exc_info=True)
+    logger.info("Process groups of %s destroyed", what)
 
 
 def _forget_sharding_cache() -> None:
     # DTensor caches sharding decisions keyed by mesh equality, and a new round's mesh of the
     # same shape compares equal to the old one: stale entries would point at destroyed groups.
-    from torch.distributed.tensor import DTensor
-
     propagator = DTensor._op_dispatcher.sharding_propagator
     for cached in vars(propagator).values():
         if hasattr(cached, "cache_clear"):

@@ -29,14 +29,20 @@ divided by the global batch size, so the gradient does not depend on how rows ar
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_rt.layout import Layout, ModelLimits
@@ -92,11 +98,12 @@ def _seeded_block(width: int, seed: int, index: int) -> Block:
 
 
 def stage_blocks(depth: int, pp: int, stage: int) -> range:
-    """The blocks of pipeline ``stage`` out of ``pp``: contiguous, sizes differing by at most one."""
+    """The blocks of pipeline ``stage`` of ``pp``: contiguous, sizes differing by at most one."""
     return range(stage * depth // pp, (stage + 1) * depth // pp)
 
 
-def make_batch(step: int, *, global_batch: int = 12, width: int = WIDTH, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(step: int, *, global_batch: int = 12, width: int = WIDTH,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: the same on every rank and in every layout."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     x = torch.randn(global_batch, width, generator=generator)
@@ -128,8 +135,35 @@ class Trainer(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def full_params(self) -> dict[str, torch.Tensor]: ...
 
-class ReferenceTrainer:
+
+class _Trainable:
+    """State handling every trainer shares: model + optimizer through DCP's state-dict helpers.
+
+    ``state_dict()`` hands out the live tensors (a checkpoint load fills them in place);
+    ``load_state_dict()`` may keep the tensors it is given, so give it a copy you won't reuse.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model, optim = get_state_dict(self.model, self.optimizer, options=_STATE_OPTIONS)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=_STATE_OPTIONS)
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by full name, tensor-parallel shards gathered (collective)."""
+        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        return {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+                for name, p in model.named_parameters()}
+
+
+class ReferenceTrainer(_Trainable):
     """The plain single-process loop every layout must match."""
 
     def __init__(self, *, seed: int = 0, lr: float = 0.05) -> None:
@@ -147,27 +181,20 @@ class ReferenceTrainer:
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
-    def state_dict(self) -> dict[str, Any]:
-        return _state_dict(self.model, self.optimizer)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _load_state_dict(self.model, self.optimizer, state)
-
-
-class DDPTrainer:
+class DDPTrainer(_Trainable):
     """Pure data parallelism: the whole model on every rank, gradients averaged by DDP."""
 
     def __init__(self, layout: Layout, groups: Groups, *, seed: int = 0, lr: float = 0.05) -> None:
-        self.dp_rank, self.dp = layout.coords(groups.rank).dp, layout.dp
-        self.group = groups.dp
+        self.dp_rank, self.dp, self.group = layout.coords(groups.rank).dp, layout.dp, groups.dp
         # Same seed on every rank, so there is nothing to broadcast (DDP checks that anyway).
         self.model = DistributedDataParallel(MLP(seed=seed), process_group=groups.dp)
         self.optimizer = make_optimizer(self.model, lr)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         rows = _my_rows(len(x), self.dp_rank, self.dp)
-        # DDP averages gradients over dp; scaling by dp turns that average into the sum we want.
         loss = loss_fn(self.model(x[rows]), y[rows], len(x))
+        # DDP averages gradients over dp; scaling by dp turns that average into the sum we want.
         (loss * self.dp).backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -177,14 +204,8 @@ class DDPTrainer:
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.module(x)
 
-    def state_dict(self) -> dict[str, Any]:
-        return _state_dict(self.model, self.optimizer)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _load_state_dict(self.model, self.optimizer, state)
-
-
-class MeshTrainer:
+class MeshTrainer(_Trainable):
     """Any ``pp x dp x tp`` layout: this rank's stage, tensor-split, in a GPipe schedule.
 
     Activations and their gradients go between neighbouring stages of one replica over the
@@ -195,19 +216,12 @@ class MeshTrainer:
                  n_micro: int = 2) -> None:
         self.layout, self.groups, self.n_micro = layout, groups, n_micro
         self.coords = layout.coords(groups.rank)
+        self.is_first, self.is_last = self.coords.pp == 0, self.coords.pp == layout.pp - 1
         blocks = stage_blocks(DEPTH, layout.pp, self.coords.pp)
         self.model = MLP(seed=seed, blocks=blocks)
         if layout.tp > 1:
-            assert groups.mesh is not None
-            plan = {}
-            for i in blocks:
-                plan[f"blocks.{i}.up"] = ColwiseParallel()
-                plan[f"blocks.{i}.down"] = RowwiseParallel()
-            # src_data_rank=None: every rank built identical weights from the seed, so each
-            # keeps its own shard instead of receiving it from rank 0.
-            parallelize_module(self.model, groups.mesh["tp"], plan, src_data_rank=None)
+            _split_tensors(self.model, blocks, groups)
         self.optimizer = make_optimizer(self.model, lr)
-        self.is_first, self.is_last = self.coords.pp == 0, self.coords.pp == layout.pp - 1
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         rows = _my_rows(len(x), self.coords.dp, self.layout.dp)
@@ -215,29 +229,15 @@ class MeshTrainer:
         n_micro = max(1, min(self.n_micro, rows.stop - rows.start))
         micro = zip(torch.tensor_split(x[rows], n_micro), torch.tensor_split(y[rows], n_micro))
         # GPipe: every micro-batch forward, then every one backward (in reverse order).
-        inputs, outputs = [], []
-        for mx, my in micro:
-            inp = mx if self.is_first else self._recv(mx.shape, self.coords.pp - 1).requires_grad_()
-            out = self.model(inp)
-            if self.is_last:
-                out = loss_fn(out, my, len(x))
-            else:
-                self._send(out.detach(), self.coords.pp + 1)
-            inputs.append(inp)
-            outputs.append(out)
+        inputs, outputs = zip(*[self._forward(mx, my, len(x)) for mx, my in micro])
         for inp, out in zip(reversed(inputs), reversed(outputs)):
-            if self.is_last:
-                out.backward()
-            else:
-                out.backward(self._recv(out.shape, self.coords.pp + 1))
-            if not self.is_first:
-                self._send(inp.grad, self.coords.pp - 1)
+            self._backward(inp, out)
         self._sum_grads_over_dp()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        # Only the last stage has a loss, and each of its tp ranks has the same one: count it once.
-        counts = self.is_last and self.coords.tp == 0
-        return _sum(sum(o.detach() for o in outputs) if counts else torch.zeros(()), self.groups.world)
+        # Only the last stage has a loss, and its tp ranks all hold the same one: count it once.
+        mine = sum(o.detach() for o in outputs) if self.is_last and self.coords.tp == 0 else 0.0
+        return _sum(torch.as_tensor(mine), self.groups.world)
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,11 +249,23 @@ class MeshTrainer:
         dist.broadcast(out, group=self.groups.pp, group_src=self.layout.pp - 1)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return _state_dict(self.model, self.optimizer)
+    def _forward(self, x: torch.Tensor, y: torch.Tensor,
+                 global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch through this stage: (its input, the loss or the activation sent on)."""
+        inp = x if self.is_first else self._recv(x.shape, self.coords.pp - 1).requires_grad_()
+        out = self.model(inp)
+        if self.is_last:
+            return inp, loss_fn(out, y, global_batch)
+        self._send(out.detach(), self.coords.pp + 1)
+        return inp, out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _load_state_dict(self.model, self.optimizer, state)
+    def _backward(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        if self.is_last:
+            out.backward()
+        else:
+            out.backward(self._recv(out.shape, self.coords.pp + 1))
+        if not self.is_first:
+            self._send(inp.grad, self.coords.pp - 1)
 
     def _send(self, tensor: torch.Tensor, stage: int) -> None:
         dist.send(tensor.contiguous(), group=self.groups.pp, group_dst=stage)
@@ -274,18 +286,28 @@ class MeshTrainer:
             dist.all_reduce(grad, group=self.groups.dp)
 
 
+def _split_tensors(model: MLP, blocks: range, groups: Groups) -> None:
+    """Megatron-style tensor parallelism: ``up`` split by output column, ``down`` by input row.
+
+    The pair needs one allreduce per block (after ``down``), and every block's input and
+    output stay whole, so the pipeline passes plain tensors between stages.
+    """
+    if groups.mesh is None:
+        raise ValueError(f"tensor parallelism needs the round's DeviceMesh ({groups.layout})")
+    plan: dict[str, ParallelStyle] = {}
+    for i in blocks:
+        plan[f"blocks.{i}.up"] = ColwiseParallel()
+        plan[f"blocks.{i}.down"] = RowwiseParallel()
+    # src_data_rank=None: every rank built identical weights from the seed, so each keeps its
+    # own shard instead of receiving it from rank 0.
+    parallelize_module(model, groups.mesh["tp"], plan, src_data_rank=None)
+
+
 def build(layout: Layout, groups: Groups, *, seed: int = 0, lr: float = 0.05) -> Trainer:
     """This rank's piece of the model for ``layout``: DDP when the layout is pure dp."""
     if layout.pp == 1 and layout.tp == 1:
         return DDPTrainer(layout, groups, seed=seed, lr=lr)
     return MeshTrainer(layout, groups, seed=seed, lr=lr)
-
-
-def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """This rank's parameters by full name, tensor-parallel shards gathered (a collective)."""
-    model = trainer.model.module if isinstance(trainer, DDPTrainer) else trainer.model  # type: ignore[attr-defined]
-    return {name: p.full_tensor().detach() if isinstance(p, DTensor) else p.detach().clone()
-            for name, p in model.named_parameters()}
 
 
 def _my_rows(n: int, dp_rank: int, dp: int) -> slice:
@@ -296,13 +318,3 @@ def _sum(value: torch.Tensor, group: dist.ProcessGroup) -> float:
     value = value.clone()
     dist.all_reduce(value, group=group)
     return value.item()
-
-
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    model_state, optim_state = get_state_dict(model, optimizer, options=_STATE_OPTIONS)
-    return {"model": model_state, "optim": optim_state}
-
-
-def _load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_STATE_OPTIONS)

@@ -53,7 +53,9 @@ def test_groups_re_form_with_a_smaller_world_in_the_same_processes() -> None:
 def _axis_sums(env: WorkerEnv) -> dict[str, object]:
     layout = Layout(dp=2, pp=2)
     groups = _form(env, layout, 0)
-    out: dict[str, object] = {axis: _allreduce_sum(2 ** env.rank, groups.axis(axis)) for axis in ("pp", "dp", "tp")}
+    out: dict[str, object] = {
+        axis: _allreduce_sum(2 ** env.rank, groups.axis(axis)) for axis in ("pp", "dp", "tp")
+    }
     out["world"] = _allreduce_sum(2 ** env.rank, groups.world)
     out["mesh"] = groups.mesh.mesh.tolist()
     out["mesh_dp_ranks"] = dist.get_process_group_ranks(groups.mesh.get_group("dp"))
@@ -97,5 +99,22 @@ def test_survivors_destroy_broken_groups_and_form_new_ones() -> None:
     assert results == [[3.0], [3.0], None]
 
 
-def test_pick_backend_is_gloo_without_cuda() -> None:
+def _retry_after_a_round_that_never_formed(env: WorkerEnv) -> list[object]:
+    try:
+        _form(env, Layout(dp=2), 0, timeout=timedelta(seconds=1))  # the second rank never comes
+    except RuntimeError as exc:  # c10d's DistStoreError is a RuntimeError
+        failure = type(exc).__name__
+    left_over = dist.is_initialized()
+    groups = _form(env, Layout(dp=1), 1)
+    result = [failure, left_over, _allreduce_sum(5, groups.world)]
+    destroy_groups(groups)
+    return result
+
+
+def test_a_round_that_never_formed_leaves_nothing_behind() -> None:
+    [(failure, left_over, total)] = run_workers(_retry_after_a_round_that_never_formed, 1)
+    assert failure and not left_over and total == 5.0
+
+
+def test_pick_backend_is_nccl_only_with_cuda() -> None:
     assert pick_backend() == ("nccl" if torch.cuda.is_available() else "gloo")

@@ -79,7 +79,7 @@ def _restore_under(env: WorkerEnv, layout: Layout, url: str, prefix: str, option
     prediction = trainer.predict(_probe())
     for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
         trainer.step(*pm.make_batch(step))
-    params = pm.full_params(trainer)
+    params = trainer.full_params()
     destroy_groups(groups)
     return {"step": info.step, "prediction": prediction, "params": params}
 
@@ -146,9 +146,8 @@ def test_restore_into_another_layout_on_file(file_matrix: list[dict], reference:
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_restore_into_another_layout_on_s3(s3_server: Any, reference: dict) -> None:
-    results = run_workers(_run_cases, NPROCS, args=(s3_server.url("reshard"), S3_CASES, s3_server.storage_options),
-                          timeout_s=180)
+def test_restore_into_another_layout_on_s3(s3_server: dict[str, Any], s3_url: str, reference: dict) -> None:
+    results = run_workers(_run_cases, NPROCS, args=(s3_url, S3_CASES, s3_server), timeout_s=180)
     for before, after in S3_CASES:
         _check(f"{before}->{after}", results, reference)
 
