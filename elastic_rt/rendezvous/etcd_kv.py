@@ -21,6 +21,8 @@ from typing import Any, Callable, TypeVar
 
 # gRPC's core logs an INFO line at every fork (the agent forks workers); keep errors only.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# Children are exec'd at once (see elastic_rt.childproc), so gRPC needs no fork handlers.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import etcd3  # noqa: E402 - after the gRPC setting above
 import etcd3.watch  # noqa: E402
@@ -88,7 +90,9 @@ class EtcdKV:
         CredentialsError: etcd refused the user name or password.
     """
 
-    def __init__(self, endpoint: str, *, auth: EtcdAuth | None = None, timeout: float = 5.0) -> None:
+    def __init__(
+        self, endpoint: str, *, auth: EtcdAuth | None = None, timeout: float = 5.0
+    ) -> None:
         self.endpoint = endpoint
         self._auth = auth or EtcdAuth()
         self._timeout = timeout
@@ -98,15 +102,15 @@ class EtcdKV:
         secure = self._auth.is_tls
         if self._auth.user and not secure:
             logger.warning(
-                "sending the etcd password of %s without TLS; see %s", self._auth.user, _SECURITY_GUIDE
+                "sending the etcd password of %s without TLS; see %s",
+                self._auth.user,
+                _SECURITY_GUIDE,
             )
         # The client benches an endpoint for 300 s after one failed call by default. With a
         # single endpoint that turns an etcd restart of a second into five minutes of
         # errors, so time_retry=0 lets gRPC reconnect on the next call instead.
-        node = etcd3.Endpoint(
-            host, int(port), secure=secure, creds=_channel_credentials(self._auth) if secure else None,
-            time_retry=0,
-        )  # fmt: skip
+        creds = _channel_credentials(self._auth) if secure else None
+        node = etcd3.Endpoint(host, int(port), secure=secure, creds=creds, time_retry=0)
         self._client = etcd3.MultiEndpointEtcd3Client(endpoints=[node], timeout=timeout)
         if self._needs_login:
             try:
@@ -178,15 +182,19 @@ class EtcdKV:
         if code == grpc.StatusCode.INVALID_ARGUMENT and "user name is empty" in details:
             return CredentialsError(
                 f"etcd at {self.endpoint} requires authentication",
-                f"Pass --etcd-user with {ETCD_PASSWORD_ENV}, or a client certificate ({_SECURITY_GUIDE}).",
+                f"Pass --etcd-user with {ETCD_PASSWORD_ENV}, or a client certificate "
+                f"({_SECURITY_GUIDE}).",
             )
+        if "Socket closed" in details and not self._auth.is_tls:
+            short += " (if etcd serves TLS there, use etcds:// or --etcd-cacert)"
         return StoreConnectionError(f"etcd at {self.endpoint} failed on {what}: {short}")
 
     def _tls_error(self, details: str, short: str) -> CredentialsError:
         if "CERTIFICATE_VERIFY_FAILED" in details:
             trusted = self._auth.cacert or "the system's CA bundle"
             return CredentialsError(
-                f"etcd at {self.endpoint} presented a TLS certificate that {trusted} does not trust",
+                f"etcd at {self.endpoint} presented a TLS certificate that {trusted} "
+                "does not trust",
                 "Pass the CA that signed etcd's certificate as --etcd-cacert.",
             )
         if any(alert in details for alert in _CLIENT_CERT_ALERTS):
@@ -311,7 +319,8 @@ def _channel_credentials(auth: EtcdAuth) -> grpc.ChannelCredentials:
                 contents[flag] = handle.read()
         except OSError as exc:
             raise ConfigError(
-                f"{flag} {path} cannot be read ({exc.strerror})", "Check the path and its permissions."
+                f"{flag} {path} cannot be read ({exc.strerror})",
+                "Check the path and its permissions.",
             ) from exc
     return grpc.ssl_channel_credentials(
         root_certificates=contents["--etcd-cacert"],

@@ -46,7 +46,8 @@ def _etcdctl() -> str:
 def _guide_block(name: str) -> str:
     """The bash block between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in the guide."""
     text = GUIDE.read_text()
-    match = re.search(rf"<!-- {name}:begin -->\s*```bash\n(.*?)```\s*<!-- {name}:end -->", text, re.S)
+    pattern = rf"<!-- {name}:begin -->\s*```bash\n(.*?)```\s*<!-- {name}:end -->"
+    match = re.search(pattern, text, re.S)
     assert match, f"block {name} missing from {GUIDE}"
     return match.group(1)
 
@@ -60,8 +61,12 @@ class Secured:
     ctl_env: dict[str, str]
     root_password: str
 
-    def tls(self, **more: str) -> EtcdAuth:
-        return EtcdAuth(cacert=self.pki.ca, cert=self.pki.client_cert, key=self.pki.client_key, **more)
+    def kv(self, user: str, password: str) -> EtcdKV:
+        """A client with the shared client certificate, logged in as ``user``."""
+        return EtcdKV(self.server.endpoint, auth=_mtls(self.pki, user=user, password=password))
+
+    def root(self) -> EtcdKV:
+        return self.kv("root", self.root_password)
 
     def add_run(self, run_id: str) -> str:
         """Run the guide's per-run block for ``run_id``; returns the job's password."""
@@ -75,6 +80,10 @@ def _bash(script: str, env: dict[str, str]) -> None:
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env,
                             capture_output=True, text=True, timeout=30)  # fmt: skip
     assert result.returncode == 0, result.stderr
+
+
+def _mtls(pki: Pki, **more: str) -> EtcdAuth:
+    return EtcdAuth(cacert=pki.ca, cert=pki.client_cert, key=pki.client_key, **more)
 
 
 def _tls_server(pki: Pki) -> EtcdServer:
@@ -123,8 +132,10 @@ def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
 
 
 # mutual TLS -------------------------------------------------------------------------
-def test_mutual_tls_client_uses_kv_leases_transactions_and_watches(tls_etcd: EtcdServer, pki: Pki) -> None:
-    kv = EtcdKV(tls_etcd.endpoint, auth=EtcdAuth(cacert=pki.ca, cert=pki.client_cert, key=pki.client_key))
+def test_mutual_tls_client_uses_kv_leases_transactions_and_watches(
+    tls_etcd: EtcdServer, pki: Pki
+) -> None:
+    kv = EtcdKV(tls_etcd.endpoint, auth=_mtls(pki))
     prefix = f"/elastic_rt/tls-{uuid.uuid4().hex[:6]}/"
     woke = threading.Event()
     cancel = kv.on_change(prefix, woke.set)
@@ -144,7 +155,9 @@ def test_mutual_tls_client_uses_kv_leases_transactions_and_watches(tls_etcd: Etc
         kv.close()
 
 
-def test_client_without_a_certificate_is_refused_in_one_line(tls_etcd: EtcdServer, pki: Pki) -> None:
+def test_client_without_a_certificate_is_refused_in_one_line(
+    tls_etcd: EtcdServer, pki: Pki
+) -> None:
     kv = EtcdKV(tls_etcd.endpoint, auth=EtcdAuth(cacert=pki.ca), timeout=3)
     with pytest.raises(CredentialsError) as exc:
         kv.get("/elastic_rt/x/y")
@@ -165,7 +178,17 @@ def test_plaintext_client_to_a_tls_etcd_is_a_connection_error(tls_etcd: EtcdServ
     kv = EtcdKV(tls_etcd.endpoint, timeout=3)
     with pytest.raises(StoreConnectionError) as exc:
         kv.get("/elastic_rt/x/y")
-    assert tls_etcd.endpoint in _one_line(exc)
+    assert "use etcds:// or --etcd-cacert" in _one_line(exc)
+    kv.close()
+
+
+def test_tls_without_a_ca_file_checks_etcd_against_the_system_cas(
+    tls_etcd: EtcdServer, pki: Pki
+) -> None:
+    auth = EtcdAuth(tls=True, cert=pki.client_cert, key=pki.client_key)
+    kv = EtcdKV(tls_etcd.endpoint, auth=auth)
+    with pytest.raises(CredentialsError, match="the system's CA bundle does not trust"):
+        kv.get("/elastic_rt/x/y")
     kv.close()
 
 
@@ -179,9 +202,9 @@ def test_unreadable_key_file_is_a_config_error(pki: Pki, tmp_path: Path) -> None
 def test_run_user_reads_and_writes_only_its_own_prefix(secured: Secured) -> None:
     mine, theirs = f"own-{uuid.uuid4().hex[:6]}", f"other-{uuid.uuid4().hex[:6]}"
     password = secured.add_run(mine)
-    root = EtcdKV(secured.server.endpoint, auth=secured.tls(user="root", password=secured.root_password))
+    root = secured.root()
     root.put(f"/elastic_rt/{theirs}/nodes/x", b"secret")
-    kv = EtcdKV(secured.server.endpoint, auth=secured.tls(user=f"job-{mine}", password=password))
+    kv = secured.kv(f"job-{mine}", password)
     own = f"/elastic_rt/{mine}/"
     # Everything the runtime does, on its own prefix.
     lease = kv.grant_lease(5)
@@ -194,9 +217,14 @@ def test_run_user_reads_and_writes_only_its_own_prefix(secured: Secured) -> None
     kv.delete_prefix(own)
     # Nothing of another run's, nor of a run whose id merely starts with ours.
     for other in (f"/elastic_rt/{theirs}/", f"/elastic_rt/{mine}x/"):
-        for attempt in (lambda: kv.get(other + "nodes/x"), lambda: kv.get_prefix(other),
-                        lambda: kv.put(other + "nodes/x", b"evil"), lambda: kv.delete_prefix(other),
-                        lambda: kv.put_if(own + "k", b"v", expect={other + "nodes/x": 0})):  # fmt: skip
+        attempts = [
+            lambda: kv.get(other + "nodes/x"),
+            lambda: kv.get_prefix(other),
+            lambda: kv.put(other + "nodes/x", b"evil"),
+            lambda: kv.delete_prefix(other),
+            lambda: kv.put_if(own + "k", b"v", expect={other + "nodes/x": 0}),
+        ]
+        for attempt in attempts:
             with pytest.raises(CredentialsError) as exc:
                 attempt()
             assert "permission denied" in _one_line(exc)
@@ -208,8 +236,8 @@ def test_run_user_reads_and_writes_only_its_own_prefix(secured: Secured) -> None
 
 def test_watch_on_another_runs_prefix_delivers_nothing(secured: Secured) -> None:
     mine, theirs = f"own-{uuid.uuid4().hex[:6]}", f"other-{uuid.uuid4().hex[:6]}"
-    kv = EtcdKV(secured.server.endpoint, auth=secured.tls(user=f"job-{mine}", password=secured.add_run(mine)))
-    root = EtcdKV(secured.server.endpoint, auth=secured.tls(user="root", password=secured.root_password))
+    kv = secured.kv(f"job-{mine}", secured.add_run(mine))
+    root = secured.root()
     spied, own = threading.Event(), threading.Event()
     cancel_spy = kv.on_change(f"/elastic_rt/{theirs}/", spied.set)
     cancel_own = kv.on_change(f"/elastic_rt/{mine}/", own.set)
@@ -228,7 +256,7 @@ def test_wrong_password_is_one_clear_line_without_the_password(secured: Secured)
     secured.add_run(run)
     wrong = secrets.token_urlsafe(16)
     with pytest.raises(CredentialsError) as exc:
-        EtcdKV(secured.server.endpoint, auth=secured.tls(user=f"job-{run}", password=wrong))
+        secured.kv(f"job-{run}", wrong)
     line = _one_line(exc)
     assert f"rejected user 'job-{run}': wrong user name or password" in line
     assert wrong not in line and ETCD_PASSWORD_ENV in line
@@ -246,23 +274,30 @@ def test_client_certificate_common_name_is_the_user(secured: Secured, tmp_path: 
 
 
 @pytest.mark.slow
-def test_cli_refuses_a_wrong_password_in_one_line(secured: Secured, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mistake", ["wrong password", "no client certificate"])
+def test_cli_prints_a_refusal_as_one_line(secured: Secured, tmp_path: Path, mistake: str) -> None:
     run = f"cli-{uuid.uuid4().hex[:6]}"
-    secured.add_run(run)
-    wrong = secrets.token_urlsafe(16)
-    env = {**agent_env(), ETCD_PASSWORD_ENV: wrong}
+    password = secured.add_run(run)
+    flags = _launch_flags(secured, run, tmp_path, "n0")
+    if mistake == "wrong password":
+        password, expected = secrets.token_urlsafe(16), (
+            f"etcd at {secured.server.endpoint} rejected user 'job-{run}': wrong user name or "
+            f"password. Check --etcd-user and {ETCD_PASSWORD_ENV}."
+        )
+    else:
+        flags = flags[: flags.index("--etcd-cert")] + flags[flags.index("--etcd-user") :]
+        expected = f"etcd at {secured.server.endpoint} refused our TLS client certificate"
     (tmp_path / "unused.py").write_text("")
+    command = [sys.executable, "-m", "elastic_rt.cli", *flags, "--nnodes", "1", "unused.py"]
+    env = {**agent_env(), ETCD_PASSWORD_ENV: password}
     result = subprocess.run(
-        [sys.executable, "-m", "elastic_rt.cli", *_launch_flags(secured, run, tmp_path, "n0"),
-         "--nnodes", "1", str(tmp_path / "unused.py")],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
-    assert errors == [f"elastic-rt: error: etcd at {secured.server.endpoint} rejected user "
-                      f"'job-{run}': wrong user name or password. Check --etcd-user and "
-                      f"{ETCD_PASSWORD_ENV}."]  # fmt: skip
-    assert "Traceback" not in result.stderr and wrong not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("elastic-rt: error:")]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith(f"elastic-rt: error: {expected}"), result.stderr
+    assert "Traceback" not in result.stderr and password not in result.stderr
 
 
 def _launch_flags(secured: Secured, run: str, tmp: Path, node: str) -> list[str]:
@@ -283,7 +318,9 @@ def test_launch_over_tls_and_auth_finishes_and_leaks_no_secret(
     password = secured.add_run(run)
     script = tmp_path / "worker.py"
     # Workers get the same identity, to talk to etcd as the job.
-    script.write_text("import os, sys\nsys.exit(0 if os.environ.get('ELASTIC_RT_ETCD_USER') else 3)\n")
+    script.write_text(
+        "import os, sys\nsys.exit(0 if os.environ.get('ELASTIC_RT_ETCD_USER') else 3)"
+    )
     env = {**agent_env(), ETCD_PASSWORD_ENV: password, "ELASTIC_RT_LOG_LEVEL": "DEBUG"}
     agents = [
         process_tree.elastic_rt(*_launch_flags(secured, run, tmp_path, node), "--nnodes", "2",
@@ -292,17 +329,30 @@ def test_launch_over_tls_and_auth_finishes_and_leaks_no_secret(
     ]  # fmt: skip
     for agent, node in zip(agents, ("n0", "n1")):
         assert agent.wait(timeout=90) == 0, (tmp_path / f"{node}.log").read_text()[-2000:]
-    key_body = [line for line in Path(secured.pki.client_key).read_text().splitlines() if "-----" not in line]
-    written = "".join(p.read_text() for p in [tmp_path / "events.jsonl", tmp_path / "n0.log", tmp_path / "n1.log"])
+    key_lines = Path(secured.pki.client_key).read_text().splitlines()
+    key_body = [line for line in key_lines if "-----" not in line]
+    written = "".join((tmp_path / f).read_text() for f in ("events.jsonl", "n0.log", "n1.log"))
     assert "round.formed" in written
     assert password not in written
     assert not any(line in written for line in key_body)
 
 
+def test_password_auth_without_tls(tmp_path: Path) -> None:
+    with EtcdServer() as server:
+        env = {**os.environ, "ETCDCTL_ENDPOINTS": server.endpoint, "ROOT_PASSWORD": "root-pw"}
+        env["PATH"] = f"{Path(_etcdctl()).parent}{os.pathsep}{env['PATH']}"
+        _bash(_guide_block("enable-auth"), env)
+        kv = EtcdKV(server.endpoint, auth=EtcdAuth(user="root", password="root-pw"))
+        kv.put("/elastic_rt/plain/a", b"1")
+        with pytest.raises(CredentialsError, match="requires authentication"):
+            EtcdKV(server.endpoint).get("/elastic_rt/plain/a")
+        kv.close()
+
+
 # last: it restarts the shared secured etcd ---------------------------------------------
 def test_login_is_renewed_after_etcd_restarts(secured: Secured) -> None:
     run = f"rs-{uuid.uuid4().hex[:6]}"
-    kv = EtcdKV(secured.server.endpoint, auth=secured.tls(user=f"job-{run}", password=secured.add_run(run)))
+    kv = secured.kv(f"job-{run}", secured.add_run(run))
     woke = threading.Event()
     cancel = kv.on_change(f"/elastic_rt/{run}/", woke.set)
     kv.put(f"/elastic_rt/{run}/a", b"1")
