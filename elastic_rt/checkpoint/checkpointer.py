@@ -47,7 +47,6 @@ from elastic_rt.checkpoint.sharded import check_fits, read_metadata, read_shards
 from elastic_rt.checkpoint.state_tree import FlatState, encode_objects, flatten
 from elastic_rt.checkpoint.storage import FsspecStorage
 from elastic_rt.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     CorruptShardError,

@@ -27,6 +27,7 @@ import os
 import threading
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import torch
@@ -181,21 +182,24 @@ class VerifyingReader(FsspecReader):
         try:
             with self.fs.create_stream(os.path.join(self.path, rel), "rb") as raw:
                 reader = _VerifyingStream(raw)
-                for item in items:
-                    info = self.storage_data[item.storage_index]
-                    reader.skip_to(info.offset)
-                    try:
-                        self._load_item(item, reader.read(info.length), planner, source)
-                    except CorruptShardError as exc:
-                        refused = exc  # a damaged file explains it better: check first
-                        break
-                reader.skip_to(None)
+                try:
+                    for item in items:
+                        info = self.storage_data[item.storage_index]
+                        reader.skip_to(info.offset)
+                        try:
+                            self._load_item(item, reader.read(info.length), planner, source)
+                        except CorruptShardError as exc:
+                            refused = exc  # a damaged file explains it better: check first
+                            break
+                    reader.skip_to(None)
+                finally:
+                    crc = reader.finish()
         except FileNotFoundError as exc:
             raise CorruptShardError(f"{source} is missing") from exc
-        if (reader.size, f"{reader.crc:08x}") != (expected.size, expected.crc32):
+        if (reader.size, f"{crc:08x}") != (expected.size, expected.crc32):
             raise CorruptShardError(
                 f"{source} fails its check: {reader.size} bytes with CRC-32 "
-                f"{reader.crc:08x}, the manifest says {expected.size} bytes with "
+                f"{crc:08x}, the manifest says {expected.size} bytes with "
                 f"{expected.crc32}"
             )
         if refused is not None:
@@ -223,18 +227,26 @@ class VerifyingReader(FsspecReader):
 
 
 class _VerifyingStream:
-    """Reads a file front to back, hashing every byte, including skipped ones."""
+    """Reads a file front to back, hashing every byte, including skipped ones.
+
+    The CRC runs in a helper thread (zlib releases the GIL), in read order, so it
+    overlaps with decoding and copying the tensors instead of adding to them.
+    """
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.size = 0
-        self.crc = 0
+        self._crc = 0
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
 
     def read(self, length: int) -> bytes:
         data = self.raw.read(length)
-        self.crc = zlib.crc32(data, self.crc)
         self.size += len(data)
+        self._hasher.submit(self._update, data)
         return data
+
+    def _update(self, data: bytes) -> None:
+        self._crc = zlib.crc32(data, self._crc)
 
     def skip_to(self, offset: int | None) -> None:
         """Hash up to ``offset`` (None: to the end)."""
@@ -242,6 +254,11 @@ class _VerifyingStream:
             want = _CHUNK if offset is None else min(_CHUNK, offset - self.size)
             if not self.read(want):
                 return
+
+    def finish(self) -> int:
+        """The CRC-32 of everything read; waits for and stops the helper thread."""
+        self._hasher.shutdown(wait=True)
+        return self._crc
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):

@@ -1,0 +1,295 @@
+"""Checkpoint benchmark: our Checkpointer against the baselines DESIGN §6 names, in one run.
+
+    python scripts/bench/checkpoint.py                 # local disk, 256 MiB, and S3 (moto), 32 MiB
+    python scripts/bench/checkpoint.py --mib 512 --no-s3
+
+Printed side by side, with the ratio and the target:
+
+* async save blocking time  / ``torch.save`` of the same state          (target <= 0.10)
+* save throughput           / raw sequential write + fsync of the bytes (target >= 0.70)
+* load + reshard (2 -> 1)   / plain DCP load of the same checkpoint      (target <= 1.00)
+* the same on S3 (moto on 127.0.0.1), against raw s3fs upload / download.
+
+The resharding case is real: two gloo processes save a DTensor state sharded over
+them, and this process loads it into whole tensors. Each figure is the median of
+``--repeat`` runs. Not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from elastic_rt.checkpoint import Checkpointer
+from elastic_rt.etcd_server import free_port
+
+TENSOR_MIB = 8
+ROWS = TENSOR_MIB * (1 << 20) // 4 // 1024  # rows of 1024 float32 per tensor
+
+
+def make_state(mib: int) -> dict[str, torch.Tensor]:
+    return {f"layer{i}.weight": torch.randn(ROWS, 1024) for i in range(max(1, mib // TENSOR_MIB))}
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+# -- baselines --------------------------------------------------------------------------
+
+
+def torch_save_local(state: dict, path: str) -> None:
+    torch.save(state, path)
+
+
+def raw_write_local(state: dict, path: str) -> None:
+    """The disk's sequential speed for these bytes: large writes, one fsync."""
+    with open(path, "wb") as handle:
+        for tensor in state.values():
+            handle.write(memoryview(tensor.numpy()).cast("B"))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+# -- ours --------------------------------------------------------------------------------
+
+
+def async_blocking(ckpt: Checkpointer, state: dict, repeat: int,
+                   baseline: Callable[[], None]) -> tuple[float, float, float]:
+    """(first save's blocking time, median of the later ones, median baseline time).
+
+    Staging buffers are allocated by the first save and reused by the later ones.
+    The baseline runs between saves, once the write in flight has finished.
+    """
+    blocking, base = [], []
+    for step in range(1, repeat + 2):
+        start = time.perf_counter()
+        ckpt.save(step, state)
+        blocking.append(time.perf_counter() - start)
+        ckpt.wait()
+        start = time.perf_counter()
+        baseline()
+        base.append(time.perf_counter() - start)
+    return blocking[0], statistics.median(blocking[1:]), statistics.median(base)
+
+
+def sync_save(ckpt: Checkpointer, state: dict, step: int) -> None:
+    ckpt.save(step, state)
+
+
+# -- the 2 -> 1 resharding case ----------------------------------------------------------
+
+
+def _save_sharded(rank: int, port: int, url: str, options: dict, mib: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                          timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(rank)
+    state = {k: DTensor.from_local(v[: ROWS // 2], mesh, [Shard(0)], run_check=False)
+             for k, v in make_state(mib).items()}
+    ckpt = Checkpointer(url, storage_options=options, async_save=False)
+    ckpt.save(1, state, layout={"dp": 1, "tp": 2})
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def save_on_two_ranks(url: str, options: dict, mib: int) -> None:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_save_sharded, args=(r, port, url, options, mib))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=300)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"sharded save worker exited with {proc.exitcode}")
+
+
+def plain_dcp_load(state: dict, ckpt_dir: str, options: dict) -> None:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    dcp.load(state, storage_reader=FsspecReader(ckpt_dir, **options))
+
+
+# -- S3 ----------------------------------------------------------------------------------
+
+
+class MotoServer:
+    """moto's S3 server on a free loopback port, in its own process group."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        self.endpoint = f"http://127.0.0.1:{free_port()}"
+        binary = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable),
+                                                             "moto_server")
+        port = self.endpoint.rsplit(":", 1)[1]
+        self.proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", port],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)  # poll until the port answers
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket="bench")
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, 9)
+        self.proc.wait(timeout=10)
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def row(what: str, ours: float, base: float, unit: str, target: str, good: bool) -> str:
+    ratio = ours / base if base else float("nan")
+    mark = "ok" if good else "MISSED"
+    return (f"{what:<44} {ours:>10.3f} {unit:<5} {base:>10.3f} {unit:<5} {ratio:>7.3f}  "
+            f"{target:<7} {mark}")
+
+
+def interleaved(fns: list[Callable[[], Any]], repeat: int) -> list[float]:
+    """Median time of each function, run in turns so that drift hits all alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, bucket in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            bucket.append(time.perf_counter() - start)
+    return [statistics.median(bucket) for bucket in times]
+
+
+def bench(label: str, url: str, options: dict, mib: int, repeat: int,
+          baseline_save: Callable[[dict], None], raw_write: Callable[[dict], None],
+          raw_read: Callable[[], None]) -> list[str]:
+    state = make_state(mib)
+    size = nbytes(state)
+    ckpt = Checkpointer(f"{url}/async", storage_options=options, keep=1)
+    first_block, block, torch_save_s = async_blocking(ckpt, state, repeat,
+                                                      lambda: baseline_save(state))
+    ckpt.close()
+
+    sync = Checkpointer(f"{url}/sync", storage_options=options, async_save=False, keep=1)
+    steps = iter(range(1, 1000))
+    save_s, raw_s = interleaved([lambda: sync_save(sync, state, next(steps)),
+                                 lambda: raw_write(state)], repeat)
+
+    save_on_two_ranks(f"{url}/sharded", options, mib)
+    sharded = Checkpointer(f"{url}/sharded", storage_options=options)
+    target = make_state(mib)
+    (info,) = sharded.list()
+    ours_load_s, dcp_load_s, raw_read_s = interleaved(
+        [lambda: sharded.load(target), lambda: plain_dcp_load(target, info.url, options),
+         raw_read], repeat)
+
+    mb = size / 1e6
+    return [
+        f"--- {label}: {mb:.0f} MB state, {len(state)} tensors, median of {repeat} ---",
+        row("async save blocking (steady) vs torch.save", block, torch_save_s, "s", "<=0.10",
+            block <= 0.10 * torch_save_s),
+        row("async save blocking (first save) vs torch.save", first_block, torch_save_s, "s",
+            "info", True),
+        row("save throughput vs raw write (+fsync)", mb / save_s, mb / raw_s, "MB/s", ">=0.70",
+            raw_s / save_s >= 0.70),
+        row("load+reshard 2->1 vs plain DCP load", ours_load_s, dcp_load_s, "s", "<=1.00",
+            ours_load_s <= dcp_load_s),
+        row("load+reshard 2->1 vs raw sequential read", ours_load_s, raw_read_s, "s", "info",
+            True),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mib", type=int, default=256, help="local state size in MiB")
+    parser.add_argument("--s3-mib", type=int, default=32, help="S3 state size in MiB")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure (median)")
+    parser.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) part")
+    args = parser.parse_args()
+    lines = [f"{'':<44} {'ours':>16} {'baseline':>16} {'ratio':>7}  target"]
+    work = tempfile.mkdtemp(prefix="ckpt-bench-", dir=os.environ.get("BENCH_DIR"))
+    try:
+        lines += bench_local(work, args)
+        if not args.no_s3:
+            lines += bench_s3(args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\n".join(lines))
+
+
+def bench_local(work: str, args: argparse.Namespace) -> list[str]:
+    """Raw writes go to a fresh file each time, as checkpoints do (never in place)."""
+    written: list[str] = []
+
+    def raw_write(state: dict) -> None:
+        written.append(os.path.join(work, f"raw-{len(written)}.bin"))
+        raw_write_local(state, written[-1])
+        if len(written) > 1:
+            os.unlink(written[-2])
+
+    def raw_read() -> None:
+        with open(written[-1], "rb") as handle:
+            while handle.read(8 << 20):
+                pass
+
+    return bench("local disk", f"file://{work}", {}, args.mib, args.repeat,
+                 lambda s: torch_save_local(s, os.path.join(work, "torch.pt")), raw_write,
+                 raw_read)
+
+
+def bench_s3(args: argparse.Namespace) -> list[str]:
+    import s3fs
+
+    server = MotoServer()
+    try:
+        options = {"endpoint_url": server.endpoint}
+        fs = s3fs.S3FileSystem(**options)
+        prefix = f"bench/{uuid.uuid4().hex[:8]}"
+
+        def torch_save_s3(state: dict) -> None:
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            fs.pipe_file(f"{prefix}/torch.pt", buffer.getvalue())
+
+        def raw_upload(state: dict) -> None:
+            fs.pipe_file(f"{prefix}/raw.bin", b"".join(
+                memoryview(t.numpy()).cast("B").tobytes() for t in state.values()))
+
+        def raw_download() -> None:
+            fs.cat_file(f"{prefix}/raw.bin")
+
+        return bench("S3 (moto on 127.0.0.1)", f"s3://{prefix}", options, args.s3_mib,
+                     args.repeat, torch_save_s3, raw_upload, raw_download)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
