@@ -204,11 +204,16 @@ class SimulatedNode:
         self._thread.start()
         return self
 
-    def stop(self, *, revoke: bool = True) -> None:
-        """Leave: with ``revoke`` the registration goes now, else when the lease expires."""
+    def halt(self) -> None:
+        """Stop deciding (the lease is still kept): lets many nodes quiet down at once."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=10)
+
+    def stop(self, *, revoke: bool = True) -> None:
+        """Leave: with ``revoke`` the registration goes now, else when the lease expires."""
+        self.halt()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
         self.keeper.stop(revoke=revoke)
 
     def crash(self) -> None:
@@ -353,6 +358,10 @@ def start_nodes(
 
 
 def stop_nodes(nodes: Iterable[SimulatedNode], *, revoke: bool = True) -> None:
+    """Halt every loop first, so one node's leave does not wake all the others."""
+    nodes = list(nodes)
+    for node in nodes:
+        node.halt()
     for node in nodes:
         node.stop(revoke=revoke)
         node.kv.close()
