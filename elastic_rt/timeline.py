@@ -351,11 +351,16 @@ def _draw(events: Sequence[Event], recoveries: Sequence[Recovery]) -> Any:
 def _title(events: Sequence[Event], recoveries: Sequence[Recovery], nodes: list[str]) -> str:
     run_id = next((e.run_id for e in events if e.run_id), "?")
     rounds = len({e.round for e in events if e.name == "round.formed"})
-    text = f"run {run_id}: {len(nodes)} nodes, {rounds} rounds, {len(recoveries)} recoveries"
+    text = (f"run {run_id}: {_count(len(nodes), 'node')}, {_count(rounds, 'round')}, "
+            f"{_count(len(recoveries), 'recovery', 'recoveries')}")  # fmt: skip
     if recoveries:
         durations = sorted(r.duration_s for r in recoveries)
         text += f" (median {durations[len(durations) // 2]:.1f} s, longest {durations[-1]:.1f} s)"
     return text
+
+
+def _count(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _shade_and_mark(
@@ -489,7 +494,8 @@ def _legend(
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=colour, label=f"node {n}") for n, colour in frame.colours.items()]
+    handles = [Patch(color=colour, label=n if n.startswith("node") else f"node {n}")
+               for n, colour in frame.colours.items()]  # fmt: skip
     present = {e.name for e in events}
     handles += [Line2D([], [], marker=m, color=c, ls="none", ms=8, label=label)
                 for name, (m, c, label) in MARKERS.items() if name in present]  # fmt: skip
