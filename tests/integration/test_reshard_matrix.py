@@ -54,13 +54,15 @@ def _round(env: WorkerEnv, layout: Layout, prefix: str) -> Any:
                        prefix=prefix, timeout=TIMEOUT)
 
 
-def _save_under(env: WorkerEnv, layout: Layout, url: str, prefix: str, options: dict | None) -> torch.Tensor:
+def _save_under(env: WorkerEnv, layout: Layout, url: str, prefix: str,
+                options: dict | None) -> torch.Tensor:
     groups = _round(env, layout, prefix)
     trainer = pm.build(layout, groups)
     for step in range(STEPS_BEFORE):
         trainer.step(*pm.make_batch(step))
     ckpt = Checkpointer(url, storage_options=options)
-    ckpt.save(STEPS_BEFORE, {"trainer": trainer}, layout=layout.to_dict(), process_group=groups.world)
+    ckpt.save(STEPS_BEFORE, {"trainer": trainer}, layout=layout.to_dict(),
+              process_group=groups.world)
     ckpt.wait()
     # Nobody may start reading before every rank's part is committed.
     dist.barrier(group=groups.world)
@@ -70,7 +72,8 @@ def _save_under(env: WorkerEnv, layout: Layout, url: str, prefix: str, options: 
     return prediction
 
 
-def _restore_under(env: WorkerEnv, layout: Layout, url: str, prefix: str, options: dict | None) -> dict[str, Any]:
+def _restore_under(env: WorkerEnv, layout: Layout, url: str, prefix: str,
+                   options: dict | None) -> dict[str, Any]:
     groups = _round(env, layout, prefix)
     trainer = pm.build(layout, groups)
     ckpt = Checkpointer(url, storage_options=options)
@@ -84,7 +87,8 @@ def _restore_under(env: WorkerEnv, layout: Layout, url: str, prefix: str, option
     return {"step": info.step, "prediction": prediction, "params": params}
 
 
-def _run_cases(env: WorkerEnv, base_url: str, cases: list[tuple[str, str]], options: dict | None) -> dict:
+def _run_cases(env: WorkerEnv, base_url: str, cases: list[tuple[str, str]],
+               options: dict | None) -> dict:
     results: dict[str, dict[str, Any]] = {}
     for i, (before, after) in enumerate(cases):
         url = f"{base_url}/case{i}-{before}-to-{after}"
@@ -105,7 +109,7 @@ def _reference() -> dict[str, Any]:
     prediction = ref.predict(_probe())
     for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
         ref.step(*pm.make_batch(step))
-    return {"prediction": prediction, "params": {k: v.detach() for k, v in ref.model.named_parameters()}}
+    return {"prediction": prediction, "params": ref.full_params()}
 
 
 def _check(case: str, results: list[dict], reference: dict[str, Any]) -> None:
@@ -140,13 +144,15 @@ def file_matrix(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("before,after", FILE_CASES)
-def test_restore_into_another_layout_on_file(file_matrix: list[dict], reference: dict, before: str, after: str) -> None:
+def test_restore_into_another_layout_on_file(file_matrix: list[dict], reference: dict,
+                                             before: str, after: str) -> None:
     _check(f"{before}->{after}", file_matrix, reference)
 
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_restore_into_another_layout_on_s3(s3_server: dict[str, Any], s3_url: str, reference: dict) -> None:
+def test_restore_into_another_layout_on_s3(s3_server: dict[str, Any], s3_url: str,
+                                           reference: dict) -> None:
     results = run_workers(_run_cases, NPROCS, args=(s3_url, S3_CASES, s3_server), timeout_s=180)
     for before, after in S3_CASES:
         _check(f"{before}->{after}", results, reference)

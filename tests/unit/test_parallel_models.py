@@ -25,7 +25,8 @@ def test_a_stage_holds_the_full_models_weights_under_the_full_names() -> None:
 
 
 def test_another_seed_gives_other_weights() -> None:
-    assert not torch.equal(pm.MLP(seed=0).blocks["0"].up.weight, pm.MLP(seed=1).blocks["0"].up.weight)
+    first, second = pm.MLP(seed=0), pm.MLP(seed=1)
+    assert not torch.equal(first.blocks["0"].up.weight, second.blocks["0"].up.weight)
 
 
 def test_reference_training_is_deterministic_and_learns() -> None:
