@@ -163,8 +163,9 @@ class EtcdKV:
         details = (rpc.details() or "") if code is not None else str(exc)
         short = _short(details)
         user = self._auth.user
-        if "handshake failed" in details.lower():
-            return self._tls_error(details, short)
+        refused = self._tls_refusal(details) if "handshake failed" in details.lower() else None
+        if refused is not None:
+            return refused
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             fix = (
                 f"Grant etcd user {user!r} readwrite on its run's prefix /elastic_rt/<run_id>/ "
@@ -185,11 +186,17 @@ class EtcdKV:
                 f"Pass --etcd-user with {ETCD_PASSWORD_ENV}, or a client certificate "
                 f"({_SECURITY_GUIDE}).",
             )
-        if "Socket closed" in details and not self._auth.is_tls:
-            short += " (if etcd serves TLS there, use etcds:// or --etcd-cacert)"
+        if "Socket closed" in details:
+            # What a TLS/plaintext mismatch looks like; an etcd restart shows it briefly too.
+            short += (
+                " (does etcd serve TLS there? We speak TLS)"
+                if self._auth.is_tls
+                else " (if etcd serves TLS there, use etcds:// or --etcd-cacert)"
+            )
         return StoreConnectionError(f"etcd at {self.endpoint} failed on {what}: {short}")
 
-    def _tls_error(self, details: str, short: str) -> CredentialsError:
+    def _tls_refusal(self, details: str) -> CredentialsError | None:
+        """A handshake that failed over certificates; None for a torn connection (retryable)."""
         if "CERTIFICATE_VERIFY_FAILED" in details:
             trusted = self._auth.cacert or "the system's CA bundle"
             return CredentialsError(
@@ -203,10 +210,7 @@ class EtcdKV:
                 f"etcd at {self.endpoint} refused our TLS client certificate{given}",
                 "Pass --etcd-cert and --etcd-key signed by a CA in etcd's --trusted-ca-file.",
             )
-        return CredentialsError(
-            f"TLS handshake with etcd at {self.endpoint} failed: {short}",
-            "Check that etcd serves TLS there and --etcd-cacert/--etcd-cert/--etcd-key.",
-        )
+        return None
 
     # KVStore ----------------------------------------------------------------------
     @staticmethod

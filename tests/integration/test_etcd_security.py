@@ -182,6 +182,16 @@ def test_plaintext_client_to_a_tls_etcd_is_a_connection_error(tls_etcd: EtcdServ
     kv.close()
 
 
+def test_tls_client_to_a_plaintext_etcd_is_a_connection_error(
+    etcd_server: EtcdServer, pki: Pki
+) -> None:
+    kv = EtcdKV(etcd_server.endpoint, auth=EtcdAuth(cacert=pki.ca), timeout=3)
+    with pytest.raises(StoreConnectionError) as exc:
+        kv.get("/elastic_rt/x/y")
+    assert "does etcd serve TLS there?" in _one_line(exc)
+    kv.close()
+
+
 def test_tls_without_a_ca_file_checks_etcd_against_the_system_cas(
     tls_etcd: EtcdServer, pki: Pki
 ) -> None:
