@@ -112,7 +112,7 @@ class Checkpointer:
         self._stager = Stager()
         self._writer = BackgroundWriter()
         self._side: tuple[Any, Any] | None = None
-        self._last: CheckpointInfo | None = None
+        self._unclaimed: CheckpointInfo | None = None
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.url!r}, every_steps={self.every_steps}, keep={self.keep})"
@@ -153,18 +153,19 @@ class Checkpointer:
         if self.async_save:
             self._writer.submit(job)
         else:
-            self._last = job()
+            self._unclaimed = job()
 
     def wait(self) -> CheckpointInfo | None:
-        """Block until the save in flight is committed; return it (None if none).
+        """Block until the save in flight is committed; return it.
+
+        Returns None when no save happened since the last call (a synchronous
+        save's info is returned by the first call after it).
 
         Raises:
             CheckpointError: the save failed (on this or another rank).
         """
-        info = self._writer.wait()
-        if info is not None:
-            self._last = info  # type: ignore[assignment]
-        return info  # type: ignore[return-value]
+        info, self._unclaimed = self._unclaimed, None
+        return self._writer.wait() or info  # type: ignore[return-value]
 
     def load(self, state: dict[str, Any], *, name: str | None = None,
              process_group: Any = None) -> CheckpointInfo:
@@ -180,8 +181,8 @@ class Checkpointer:
         """
         self._drain_for_load()
         group = self._side_group(process_group)
-        flat = flatten(state)
-        local = coord.agree(lambda: self._candidates(name, group), group, "listing checkpoints")
+        flat, local = coord.agree(lambda: (flatten(state), self._candidates(name, group)), group,
+                                  "listing checkpoints")
         candidates = coord.broadcast(local, group)
         if not candidates:
             raise CheckpointNotFoundError(f"no committed checkpoint at {self.url}"

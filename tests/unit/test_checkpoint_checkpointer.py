@@ -195,3 +195,12 @@ def test_a_persistent_storage_error_becomes_a_checkpoint_error() -> None:
 
     with pytest.raises(CheckpointError, match="storage at s3://b/x failed: ValueError"):
         call_with_retries(broken, url="s3://b/x")
+
+
+def test_a_synchronous_save_is_committed_when_save_returns(url: str) -> None:
+    ckpt = Checkpointer(url, async_save=False)
+    ckpt.save(1, _state(1))
+    assert [i.committed for i in ckpt.list()] == [True]
+    info = ckpt.wait()
+    assert info is not None and info.step == 1
+    assert ckpt.wait() is None
