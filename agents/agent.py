@@ -17,10 +17,13 @@ or SIGINT makes a graceful leave: workers stopped, lease revoked, peers re-form.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +33,13 @@ from types import FrameType
 from agents.alive import AliveServer, Liveness, probe
 from agents.worker_env import worker_envs
 from agents.workers import WorkerExit, WorkerGroup, WorkerState
-from elastic_rt.config import EVENTS_FILE_ENV, ENDPOINT_ENV, RendezvousConfig
+from elastic_rt.config import (
+    AGENT_DIR_ENV,
+    ENDPOINT_ENV,
+    EVENTS_FILE_ENV,
+    LEASE_TTL_ENV,
+    RendezvousConfig,
+)
 from elastic_rt.errors import (
     EndpointUnreachableError,
     RendezvousTimeoutError,
@@ -42,6 +51,7 @@ from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KVStore
 from elastic_rt.rendezvous.lease import LeaseKeeper
+from elastic_rt.membership import ack_path
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import (
     Closed,
@@ -76,6 +86,8 @@ class AgentConfig:
     grace_period: timedelta = timedelta(seconds=3)
     """SIGTERM to SIGKILL when stopping workers."""
     store_wait: timedelta = timedelta(seconds=30)
+    reform_timeout: timedelta = timedelta(seconds=120)
+    """In-process workers that have not joined a new round by then are restarted."""
 
 
 class Agent:
@@ -106,6 +118,10 @@ class Agent:
         self.running_round: Round | None = None
         self.restart_count = 0
         self._ever_ran = False
+        self.agent_dir = tempfile.mkdtemp(prefix=f"elastic-rt-agent-{os.getpid()}-")
+        self._awaiting_ack: tuple[int, float] | None = None
+        """(round, deadline) while in-process workers re-form into a new round."""
+        self._alarm_seen = 0
 
     # entry point ---------------------------------------------------------------
     def run(self) -> int:
@@ -126,6 +142,7 @@ class Agent:
             self.keeper.stop(revoke=True)
             self.alive.close()
             self.kv.close()
+            shutil.rmtree(self.agent_dir, ignore_errors=True)
 
     def _join(self) -> None:
         try:
@@ -136,7 +153,7 @@ class Agent:
             self.keeper.start()
         except StoreConnectionError as exc:
             raise EndpointUnreachableError(
-                f"cannot reach etcd at {self.config.rendezvous.endpoint}",
+                f"cannot reach etcd at {self.config.rendezvous.endpoint} ({exc})",
                 "Start etcd there (elastic-rt etcd) or fix --rdzv-endpoint.",
             ) from exc
         self.events.emit("node.joined", host=self.info.host, nproc=self.info.nproc)
@@ -186,6 +203,10 @@ class Agent:
                         )
                 self._sleep(0.5)
                 continue
+            if snapshot.alarm and snapshot.alarm[1] > self._alarm_seen:
+                self._alarm_seen = snapshot.alarm[1]
+                if snapshot.alarm[0] == action.round.number and self._answer_alarm(action.round):
+                    continue
             exit_code = self._participate(action)
             if exit_code is not None:
                 return exit_code
@@ -221,6 +242,8 @@ class Agent:
             self._start_round(round_)
             return None
         state, exits = self.workers.poll()
+        if self._awaiting_ack and state is WorkerState.RUNNING:
+            self._check_acks()
         if state is WorkerState.SUCCEEDED:
             return self._succeeded()
         if state is WorkerState.FAILED:
@@ -229,12 +252,20 @@ class Agent:
         return None
 
     def _start_round(self, round_: Round) -> None:
+        if self.running_round is not None and self._workers_follow_rounds():
+            # In-process workers re-form by themselves; we only host the store address.
+            if self._agree_on_store(round_) is not None:
+                self.running_round = round_
+                deadline = time.monotonic() + self.config.reform_timeout.total_seconds()
+                self._awaiting_ack = (round_.number, deadline)
+            return
         if self.running_round is not None:
             self._stop_workers(f"round {round_.number} formed")
-            self.restart_count += 1
         master = self._agree_on_store(round_)
         if master is None:
             return
+        if self._ever_ran:
+            self.restart_count += 1
         envs = worker_envs(
             os.environ,
             round_,
@@ -279,8 +310,53 @@ class Agent:
         logger.warning("no store address for round %d; waiting for the next round", round_.number)
         return None
 
+    def _acks(self) -> list[dict[str, int] | None]:
+        acks: list[dict[str, int] | None] = []
+        for local_rank, pid in enumerate(self.workers.pids):
+            try:
+                with open(ack_path(self.agent_dir, local_rank), encoding="utf-8") as handle:
+                    ack = json.load(handle)
+            except (OSError, ValueError):
+                ack = None
+            acks.append(ack if ack and ack.get("pid") == pid else None)
+        return acks
+
+    def _workers_follow_rounds(self) -> bool:
+        """True when every local worker has told us it recovers in-process."""
+        acks = self._acks()
+        return bool(acks) and all(a is not None and a.get("in_process") for a in acks)
+
+    def _check_acks(self) -> None:
+        assert self._awaiting_ack is not None
+        number, deadline = self._awaiting_ack
+        if all(a is not None and a["round"] >= number for a in self._acks()):
+            self._awaiting_ack = None
+        elif time.monotonic() > deadline:
+            # Restart mode is the fallback, never a hang.
+            logger.warning("workers did not join round %d in time; restarting them", number)
+            self._awaiting_ack = None
+            self._stop_workers("in-process re-form timed out")
+
+    def _answer_alarm(self, round_: Round) -> bool:
+        """A worker's collective failed: evict dead peers, or re-form if all answer.
+
+        Returns True when membership changed or a re-form round was proposed. A peer
+        that neither answers nor refuses (hung) is left to its lease.
+        """
+        dead, unsure = self._probe_peers(round_)
+        if dead:
+            return True
+        if unsure:
+            return False
+        self._propose(restart_round(round_, "a collective failed; all nodes answer", _now_ms()))
+        return True
+
     def _extras(self) -> dict[str, str]:
-        extras = {ENDPOINT_ENV: self.config.rendezvous.endpoint}
+        extras = {
+            ENDPOINT_ENV: self.config.rendezvous.endpoint,
+            AGENT_DIR_ENV: self.agent_dir,
+            LEASE_TTL_ENV: str(int(self.config.rendezvous.lease_ttl.total_seconds())),
+        }
         extras.update(self.config.rendezvous.auth.to_env())
         if self.config.events_file:
             extras[EVENTS_FILE_ENV] = self.config.events_file
@@ -301,15 +377,14 @@ class Agent:
         failed = [e for e in exits if e.exitcode != 0]
         for e in failed:
             self.events.emit("worker.failed", round=round_.number, local_rank=e.local_rank, pid=e.pid, exitcode=e.exitcode)
-        self.workers.stop()
-        self.running_round = None
+        self._stop_workers("a worker failed")
         snapshot = self.registry.snapshot()
         if snapshot.completing:
             self.registry.close(f"failed: a worker exited with {failed[0].exitcode} while the job was finishing")
             return 1
         if snapshot.round is None or snapshot.round.number != round_.number:
             return None
-        if self._evict_dead_peers(round_):
+        if self._probe_peers(round_)[0]:
             return None
         first = failed[0]
         what = f"worker {first.local_rank} on {self.info.node_id} exited with {first.exitcode}"
@@ -324,10 +399,13 @@ class Agent:
         self._propose(restart_round(round_, f"{what} (restart {count}/{self.config.max_restarts})", _now_ms()))
         return None
 
-    def _evict_dead_peers(self, round_: Round) -> list[str]:
-        """Probe every other member; evict those whose agent is certainly gone."""
+    def _probe_peers(self, round_: Round) -> tuple[list[str], list[str]]:
+        """Probe every other member; evict those whose agent is certainly gone.
+
+        Returns (dead members, members that did not answer in time).
+        """
         registered = self.registry.nodes()
-        dead = []
+        dead, unsure = [], []
         for member in round_.members:
             if member == self.info.node_id:
                 continue
@@ -335,19 +413,22 @@ class Agent:
             if info is None:
                 dead.append(member)
                 continue
-            if info.alive_addr and probe(info.alive_addr) is Liveness.DEAD:
+            liveness = probe(info.alive_addr) if info.alive_addr else Liveness.UNKNOWN
+            if liveness is Liveness.DEAD:
                 self.registry.evict(info)
                 dead.append(member)
+            elif liveness is Liveness.UNKNOWN:
+                unsure.append(member)
         if dead:
             logger.warning("peers gone: %s", ",".join(dead))
-        return dead
+        return dead, unsure
 
     def _stop_workers(self, why: str) -> None:
         if self.workers.pids:
             logger.info("stopping workers: %s", why)
         self.workers.stop()
-        if self.running_round is not None:
-            self.running_round = None
+        self.running_round = None
+        self._awaiting_ack = None
 
     # fencing, leaving, closing -----------------------------------------------------
     def _fence(self, why: str) -> None:

@@ -2,7 +2,7 @@
 
 Each worker runs in its own session (its own process group), so a signal meant
 for one worker's tree reaches all of it and nothing else, and gets SIGKILL when
-the agent dies (a parent-death signal set before exec). Stopping is SIGTERM to
+the agent dies (a parent-death signal, see :mod:`elastic_rt.childproc`). Stopping is SIGTERM to
 the group, then SIGKILL after a grace period, then a sweep of any descendant
 that escaped into another group (found with psutil).
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from elastic_rt.etcd_server import die_with_parent
+from elastic_rt.childproc import dying_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,6 @@ class WorkerExit:
     pid: int
     exitcode: int
     """Negative for a signal, as in subprocess."""
-
-
-def _start_worker() -> None:
-    os.setsid()
-    die_with_parent()
 
 
 class WorkerGroup:
@@ -67,7 +62,10 @@ class WorkerGroup:
             if any(p.poll() is None for p in self._procs):
                 raise RuntimeError("workers still running; stop them first")
             self._procs = [
-                subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=_start_worker)
+                subprocess.Popen(
+                    dying_with_parent(command), env=env, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
                 for env in envs
             ]
             return [p.pid for p in self._procs]

@@ -1,5 +1,34 @@
-"""elastic-rt: elastic, fault-tolerant training for PyTorch on an etcd rendezvous."""
+"""elastic-rt: elastic, fault-tolerant training for PyTorch on an etcd rendezvous.
+
+A script writes ``build(layout) -> TrainState`` and ``step(state, batch) -> loss``
+and hands both to :func:`run`; recovery from node loss and growth is the runtime's.
+
+Names are imported on first use: the agent and the CLI import submodules of this
+package (config, rendezvous, events) and must not pay for, or depend on, torch.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Checkpointer": "elastic_rt.checkpoint",
+    "Context": "elastic_rt.worker_context",
+    "ElasticSampler": "elastic_rt.sampler",
+    "Layout": "elastic_rt.layout",
+    "ModelLimits": "elastic_rt.layout",
+    "TrainState": "elastic_rt.train_state",
+    "context": "elastic_rt.worker_context",
+    "plan_layout": "elastic_rt.layout",
+    "run": "elastic_rt.loop",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic_rt' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -92,7 +92,7 @@ def _add_etcd_auth(p: argparse.ArgumentParser) -> None:
                    help=f"etcd user; the password comes from {cfg.ETCD_PASSWORD_ENV}")
 
 
-def _auth(args: argparse.Namespace) -> cfg.EtcdAuth:
+def _auth(args: argparse.Namespace, tls: bool = False) -> cfg.EtcdAuth:
     for flag in ("etcd_cacert", "etcd_cert", "etcd_key"):
         path = getattr(args, flag)
         if path and not os.path.isfile(path):
@@ -104,7 +104,7 @@ def _auth(args: argparse.Namespace) -> cfg.EtcdAuth:
         raise ConfigError(f"--etcd-user {args.etcd_user} has no password", f"Set {cfg.ETCD_PASSWORD_ENV}.")
     return cfg.EtcdAuth(
         cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
-        user=args.etcd_user, password=password if args.etcd_user else None,
+        user=args.etcd_user, password=password if args.etcd_user else None, tls=tls,
     )  # fmt: skip
 
 
@@ -143,9 +143,9 @@ def _launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"--rdzv-backend {args.rdzv_backend} is not supported", "Use --rdzv-backend etcd.")
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is below 1", "Pass 1 or more.")
-    endpoint, _tls = parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else ("", False)
+    endpoint, tls = parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else ("", False)
     command = _worker_command(args)
-    auth = _auth(args)
+    auth = _auth(args, tls)
     server = None
     if not endpoint:
         server = EtcdServer(port=args.etcd_port).start()
@@ -230,8 +230,8 @@ def _add_status(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
 def _status(args: argparse.Namespace) -> int:
     from elastic_rt.status import show_status
 
-    endpoint, _tls = parse_endpoint(args.rdzv_endpoint)
-    print(show_status(endpoint, args.run_id, auth=_auth(args), events_file=args.events_file, as_json=args.json))
+    endpoint, tls = parse_endpoint(args.rdzv_endpoint)
+    print(show_status(endpoint, args.run_id, auth=_auth(args, tls), events_file=args.events_file, as_json=args.json))
     return 0
 
 

@@ -154,3 +154,84 @@ class RendezvousConfig:
     @property
     def prefix(self) -> str:
         return f"/elastic_rt/{self.run_id}/"
+
+
+AGENT_DIR_ENV = "ELASTIC_RT_AGENT_DIR"
+COLLECTIVE_TIMEOUT_ENV = "ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerEnv:
+    """What the agent tells a worker through its environment (see agents/worker_env.py)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    node_id: str = ""
+    run_id: str = ""
+    round: int = 0
+    token: int = 0
+    endpoint: str = ""
+    """etcd ``host:port``; empty when the script runs under plain torchrun."""
+    agent_dir: str = ""
+    """Where the worker leaves its in-process acknowledgements for the agent."""
+    events_file: str | None = None
+    lease_ttl: timedelta = timedelta(seconds=5)
+    auth: EtcdAuth = field(default_factory=EtcdAuth)
+
+    @property
+    def is_elastic(self) -> bool:
+        """True under ``elastic-rt launch``; False under plain torchrun or none."""
+        return bool(self.endpoint and self.node_id)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "WorkerEnv":
+        """Read a worker's environment; single-process defaults where unset.
+
+        Raises:
+            ConfigError: a variable holds something that is not a number.
+        """
+        try:
+            return cls(
+                rank=int(env.get(RANK_ENV, 0)),
+                local_rank=int(env.get(LOCAL_RANK_ENV, 0)),
+                world_size=int(env.get(WORLD_SIZE_ENV, 1)),
+                master_addr=env.get(MASTER_ADDR_ENV, "127.0.0.1"),
+                master_port=int(env.get(MASTER_PORT_ENV, 0)),
+                node_id=env.get(NODE_ID_ENV, ""),
+                run_id=env.get(RUN_ID_ENV, ""),
+                round=int(env.get(ROUND_ENV, 0)),
+                token=int(env.get(TOKEN_ENV, 0)),
+                endpoint=env.get(ENDPOINT_ENV, ""),
+                agent_dir=env.get(AGENT_DIR_ENV, ""),
+                events_file=env.get(EVENTS_FILE_ENV) or None,
+                lease_ttl=timedelta(seconds=float(env.get(LEASE_TTL_ENV, 5))),
+                auth=EtcdAuth.from_env(env),
+            )
+        except ValueError as exc:
+            raise ConfigError(
+                f"a worker environment variable is not a number ({exc})",
+                "Start workers with elastic-rt launch or torchrun.",
+            ) from exc
+
+    def to_env(self) -> dict[str, str]:
+        env = {
+            RANK_ENV: str(self.rank),
+            LOCAL_RANK_ENV: str(self.local_rank),
+            WORLD_SIZE_ENV: str(self.world_size),
+            MASTER_ADDR_ENV: self.master_addr,
+            MASTER_PORT_ENV: str(self.master_port),
+            NODE_ID_ENV: self.node_id,
+            RUN_ID_ENV: self.run_id,
+            ROUND_ENV: str(self.round),
+            TOKEN_ENV: str(self.token),
+            ENDPOINT_ENV: self.endpoint,
+            AGENT_DIR_ENV: self.agent_dir,
+            LEASE_TTL_ENV: str(self.lease_ttl.total_seconds()),
+            **self.auth.to_env(),
+        }
+        if self.events_file:
+            env[EVENTS_FILE_ENV] = self.events_file
+        return env

@@ -11,7 +11,6 @@ the parent is SIGKILLed), and data dirs of dead parents are swept at the next st
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -26,13 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from elastic_rt.childproc import dying_with_parent
 from elastic_rt.config import ETCD_BIN_ENV
 from elastic_rt.errors import ConfigError, ElasticError
 
 logger = logging.getLogger(__name__)
 
 _DATA_DIR_PREFIX = "elastic-rt-etcd-"
-_PR_SET_PDEATHSIG = 1
 
 
 def find_etcd_binary() -> str:
@@ -80,15 +79,6 @@ def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
         return True
-
-
-def die_with_parent() -> None:
-    """In a child, before exec: get SIGKILL when the parent dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def _sweep_stale_data_dirs() -> None:
@@ -188,12 +178,11 @@ class EtcdServer:
         # stderr goes to a file, not a pipe: a pipe nobody reads blocks etcd once full.
         self._stderr = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
-            args,
+            dying_with_parent(args),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self._stderr,
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
 
     def _wait_healthy(self, timeout: float) -> None:

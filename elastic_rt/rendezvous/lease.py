@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from elastic_rt.errors import StoreError
+from elastic_rt.errors import CredentialsError, StoreError
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import NodeInfo
 
@@ -80,7 +80,8 @@ class LeaseKeeper:
                     self._last_renewed = time.monotonic()
                 else:
                     self._fence("lease expired")
-            except StoreError as exc:
+            except (StoreError, CredentialsError) as exc:
+                # Refused credentials (a revoked role) fence like a lost connection.
                 logger.debug("lease renewal failed: %s", exc)
                 if not self.is_fenced and time.monotonic() - self._last_renewed > self.ttl - self.margin:
                     self._fence(f"could not renew the lease for {self.ttl - self.margin:.1f} s")

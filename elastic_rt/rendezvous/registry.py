@@ -68,11 +68,13 @@ class RunRegistry:
                 nodes[info.node_id] = info
         round_kv = items.get("round")
         closed = items.get("closed")
+        alarm = items.get("alarm")
         return Snapshot(
             round=Round.from_json(round_kv.value, token=round_kv.mod_revision) if round_kv else None,
             nodes=nodes,
             closed=closed.value.decode() if closed else None,
             completing="completing" in items,
+            alarm=(int(json.loads(alarm.value)["round"]), alarm.mod_revision) if alarm else None,
         )
 
     def current_round(self) -> Round | None:

@@ -119,6 +119,8 @@ class Snapshot:
     """Why the job was closed (finished or failed); None while it runs."""
     completing: bool = False
     """Some node's workers all succeeded: the job is finishing, so no new rounds."""
+    alarm: tuple[int, int] | None = None
+    """(round, revision) of the last worker alarm: a collective failed in that round."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,25 @@
+"""Child processes that die with their parent, started without ``preexec_fn``.
+
+A process holding gRPC threads (every agent, every test) must not run Python
+between fork and exec: gRPC's fork handlers abort the child (seen here as
+workers dying with SIGABRT at start). So the parent-death signal is set by
+``setpriv --pdeathsig KILL`` (util-linux, on every Debian-like system) in the
+child, and the new session by ``start_new_session`` (done in C by subprocess).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+_SETPRIV = shutil.which("setpriv")
+
+
+def dying_with_parent(command: list[str]) -> list[str]:
+    """``command`` wrapped so the child gets SIGKILL when its parent dies.
+
+    Without setpriv (not Linux) the command runs unwrapped: an orphan is then
+    still stopped by process group, just not automatically.
+    """
+    if _SETPRIV is None:
+        return list(command)
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *command]

@@ -1,0 +1,136 @@
+"""The worker's view of rounds: follow them, host or find the round's store, report.
+
+In-process recovery needs each worker to learn about a new round without being
+restarted. A worker keeps its own etcd client and a watch on the run's keys, so
+``has_newer_round()`` is an in-memory check it can afford at every step boundary.
+It never writes rounds itself: agents decide membership; a worker only raises the
+alarm when a collective fails, acknowledges the round it has joined (a file its
+agent reads), and commits fenced values.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+
+from elastic_rt.config import WorkerEnv
+from elastic_rt.errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
+from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.rounds import Round
+
+logger = logging.getLogger(__name__)
+
+
+def ack_path(agent_dir: str, local_rank: int) -> str:
+    """The file in which a worker tells its agent which round it has joined."""
+    return os.path.join(agent_dir, f"worker-{local_rank}.json")
+
+
+class RoundFollower:
+    """Follows the run's rounds from inside a worker.
+
+    Args:
+        env: the worker's environment as set by the agent.
+    """
+
+    def __init__(self, env: WorkerEnv) -> None:
+        self.env = env
+        self.kv = EtcdKV(env.endpoint, auth=env.auth)
+        self.registry = RunRegistry(self.kv, env.run_id)
+        self._changed = threading.Event()
+        self._newest = env.round
+        self._lock = threading.Lock()
+        self._cancel = self.kv.on_change(self.registry.key("round"), self._on_round_change)
+
+    def _on_round_change(self) -> None:
+        try:
+            current = self.registry.current_round()
+        except StoreError:
+            return
+        if current is not None:
+            with self._lock:
+                self._newest = max(self._newest, current.number)
+        self._changed.set()
+
+    def has_newer_round(self, than: int) -> bool:
+        """Cheap: answered from the watch, no round trip."""
+        with self._lock:
+            return self._newest > than
+
+    def current(self) -> Round:
+        """The round the agent started us in (read once at start)."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            current = self.registry.current_round()
+            if current is not None and current.number >= self.env.round:
+                return current
+            self._changed.wait(0.2)
+        raise RendezvousTimeoutError(f"round {self.env.round} not found in etcd", "Restart the job.")
+
+    def wait_for_round(self, after: int, timeout: timedelta) -> Round:
+        """Block until a round newer than ``after`` that includes this node exists.
+
+        Raises:
+            RendezvousClosedError: the job was closed meanwhile.
+            RendezvousTimeoutError: no such round within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        while time.monotonic() < deadline:
+            self._changed.clear()
+            try:
+                closed = self.registry.closed_reason()
+                if closed is not None:
+                    raise RendezvousClosedError(f"the job was closed: {closed}")
+                current = self.registry.current_round()
+            except StoreError as exc:
+                logger.warning("etcd unavailable while waiting for a round: %s", exc)
+                current = None
+            if current and current.number > after and self.env.node_id in current.members:
+                return current
+            self._changed.wait(0.2)
+        raise RendezvousTimeoutError(
+            f"no new round including {self.env.node_id} within {timeout.total_seconds():.0f} s",
+            "Check that the agents are alive and can reach etcd.",
+        )
+
+    def store_address(self, round_: Round, timeout: timedelta) -> tuple[str, int]:
+        """The ``host:port`` its first node's agent published for the round's store."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while time.monotonic() < deadline:
+            address = self.registry.store_address(round_.number)
+            if address:
+                host, _, port = address.rpartition(":")
+                return host, int(port)
+            time.sleep(0.01)
+        raise RendezvousTimeoutError(
+            f"no store address for round {round_.number}", "Check that its first node is alive."
+        )
+
+    def report_failure(self, round_: Round) -> None:
+        """Ask the agents to check on our peers, unless a newer round already exists."""
+        try:
+            current = self.registry.current_round()
+            if current is not None and current.number == round_.number:
+                self.registry.raise_alarm(round_.number, self.env.node_id)
+        except StoreError as exc:
+            logger.warning("could not raise the alarm: %s", exc)
+
+    def acknowledge(self, round_: Round) -> None:
+        """Tell the agent we run in-process and have joined ``round_`` (atomic write)."""
+        if not self.env.agent_dir:
+            return
+        path = ack_path(self.env.agent_dir, self.env.local_rank)
+        payload = {"pid": os.getpid(), "round": round_.number, "in_process": True}
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        self._cancel()
+        self.kv.close()

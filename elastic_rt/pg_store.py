@@ -1,0 +1,35 @@
+"""The c10d store each round's process groups are created from.
+
+Choice: a TCPStore re-hosted every round by that round's rank 0, at the address
+its node's agent publishes in etcd under ``store/<k>``. Not an etcd-backed store:
+
+- It survives any single node: round k+1's store lives on round k+1's first
+  member, so the node that died cannot take it along; rounds never share one
+  (each round's groups also use their own key prefix).
+- It is fast: bootstrapping gloo makes O(world) store reads and writes, each a
+  loopback round trip to a TCPStore (~0.1 ms) instead of an etcd write that
+  must reach disk through raft (~1-2 ms here), with no polling for ``wait``.
+- It is what torchrun's env:// uses, so a torchrun script's rank 0 hosts it the
+  same way in restart mode.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def open_round_store(
+    address: tuple[str, int], *, is_host: bool, world_size: int, timeout: timedelta
+) -> dist.TCPStore:
+    """Host (rank 0) or join the round's TCPStore at ``address``."""
+    host, port = address
+    return dist.TCPStore(
+        host,
+        port,
+        world_size=world_size,
+        is_master=is_host,
+        timeout=timeout,
+        wait_for_workers=False,
+    )

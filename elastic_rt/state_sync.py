@@ -1,0 +1,106 @@
+"""Bring every rank of a new round to the same state by broadcast from a survivor.
+
+After a re-form, survivors hold the state of the last step they committed and
+newcomers hold nothing. All ranks exchange their step; the lowest rank with the
+highest step is the source. A rank whose collective failed *after* others had
+finished the step is simply behind: taking the highest step is right because a
+step only completes once its gradient all-reduce has seen every rank's share.
+
+The structure (keys, shapes, dtypes, plain values such as param_groups) travels
+as one small object broadcast; the tensors travel as one flat buffer per dtype,
+so a model of many small tensors costs a few collectives, not thousands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorSlot:
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def pick_source(step: int, group: dist.ProcessGroup) -> tuple[int, int]:
+    """(source rank in ``group``, its step); ``step`` is -1 on ranks with no state."""
+    world = dist.get_world_size(group)
+    steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(steps, torch.tensor([step], dtype=torch.int64), group=group)
+    values = [int(s.item()) for s in steps]
+    best = max(values)
+    return values.index(best), best
+
+
+def broadcast_state(state: Any, src: int, group: dist.ProcessGroup) -> Any:
+    """Return ``state`` as held by rank ``src`` (the argument is ignored elsewhere).
+
+    ``src`` is a rank of ``group``. Nested dicts, lists and tuples of tensors and
+    plain values are supported (a model's and an optimizer's state_dict).
+    """
+    is_source = dist.get_rank(group) == src
+    tensors: list[torch.Tensor] = []
+    skeleton = _strip(state, tensors) if is_source else None
+    box = [skeleton]
+    dist.broadcast_object_list(box, group_src=src, group=group)
+    skeleton = box[0]
+    slots: list[_TensorSlot] = []
+    _collect_slots(skeleton, slots)
+    received = _broadcast_tensors(tensors if is_source else None, slots, src, group)
+    return _fill(skeleton, received)
+
+
+def _strip(value: Any, out: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        out.append(value.detach().cpu().contiguous())
+        return _TensorSlot(len(out) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _strip(v, out) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_strip(v, out) for v in value)
+    return value
+
+
+def _collect_slots(skeleton: Any, out: list[_TensorSlot]) -> None:
+    if isinstance(skeleton, _TensorSlot):
+        out.append(skeleton)
+    elif isinstance(skeleton, dict):
+        for v in skeleton.values():
+            _collect_slots(v, out)
+    elif isinstance(skeleton, (list, tuple)):
+        for v in skeleton:
+            _collect_slots(v, out)
+
+
+def _broadcast_tensors(
+    tensors: list[torch.Tensor] | None, slots: list[_TensorSlot], src: int, group: dist.ProcessGroup
+) -> dict[int, torch.Tensor]:
+    by_dtype: dict[torch.dtype, list[_TensorSlot]] = {}
+    for slot in sorted(slots, key=lambda s: s.index):
+        by_dtype.setdefault(slot.dtype, []).append(slot)
+    result: dict[int, torch.Tensor] = {}
+    for dtype, group_slots in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+        sizes = [int(torch.Size(s.shape).numel()) for s in group_slots]
+        if tensors is not None:
+            flat = torch.cat([tensors[s.index].reshape(-1) for s in group_slots])
+        else:
+            flat = torch.empty(sum(sizes), dtype=dtype)
+        dist.broadcast(flat, group_src=src, group=group)
+        for slot, piece in zip(group_slots, torch.split(flat, sizes)):
+            result[slot.index] = piece.view(slot.shape).clone()
+    return result
+
+
+def _fill(skeleton: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    if isinstance(skeleton, _TensorSlot):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, dict):
+        return {k: _fill(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_fill(v, tensors) for v in skeleton)
+    return skeleton
