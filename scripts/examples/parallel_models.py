@@ -28,8 +28,12 @@ divided by the global batch size, so the gradient does not depend on how rows ar
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+import re
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -45,8 +49,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_rt.layout import Layout, ModelLimits
-from elastic_rt.process_groups import Groups
+from elastic_rt.checkpoint import Checkpointer
+from elastic_rt.layout import Layout, ModelLimits, plan_layout
+from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 
 WIDTH = 8
 DEPTH = 4
@@ -318,3 +323,47 @@ def _sum(value: torch.Tensor, group: dist.ProcessGroup) -> float:
     value = value.clone()
     dist.all_reduce(value, group=group)
     return value.item()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train under torchrun or ``elastic-rt launch``; resume from ``--ckpt`` if it has one.
+
+    ``torchrun --nproc-per-node 4 scripts/examples/parallel_models.py --layout dp2xpp2``
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", help="e.g. dp2xpp2; default: planned for the world size")
+    parser.add_argument("--steps", type=int, default=20, help="train up to this step")
+    parser.add_argument("--ckpt", help="checkpoint URL (path, file://, s3://); resumes from it")
+    args = parser.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    layout = parse_layout(args.layout) if args.layout else plan_layout(world, LIMITS)
+    # Under torchrun the agent hosts the store and workers are its clients.
+    is_host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=is_host, timeout=timedelta(minutes=5))
+    groups = init_groups(store, rank=rank, world_size=world, layout=layout,
+                         prefix="/parallel_models/", timeout=timedelta(minutes=5))
+    trainer = build(layout, groups)
+    ckpt = Checkpointer(args.ckpt) if args.ckpt else None
+    start = 0
+    if ckpt is not None and any(info.committed for info in ckpt.list()):
+        start = ckpt.load({"trainer": trainer}, process_group=groups.world).step
+    for step in range(start, args.steps):
+        loss = trainer.step(*make_batch(step))
+        if rank == 0:
+            print(f"step {step} layout {layout} loss {loss:.6f}", flush=True)
+    if ckpt is not None:
+        ckpt.save(args.steps, {"trainer": trainer}, layout=layout.to_dict(),
+                  process_group=groups.world)
+        ckpt.close()
+    destroy_groups(groups)
+
+
+def parse_layout(text: str) -> Layout:
+    """``"dp2xpp2"`` -> ``Layout(dp=2, pp=2)``; axes left out are 1."""
+    degrees = {axis: int(n) for axis, n in re.findall(r"(dp|pp|tp)(\d+)", text)}
+    return Layout(dp=degrees.get("dp", 1), pp=degrees.get("pp", 1), tp=degrees.get("tp", 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,13 @@ process compares both against :class:`ReferenceTrainer`, the unchanged single-pr
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,12 +42,7 @@ FILE_CASES = [
 ]
 S3_CASES = [("dp2xpp2", "dp3"), ("tp2", "dp2")]
 TIMEOUT = timedelta(seconds=30)
-
-
-def parse_layout(text: str) -> Layout:
-    """``"dp2xpp2"`` -> ``Layout(dp=2, pp=2)``; missing axes are 1."""
-    degrees = {axis: int(n) for axis, n in re.findall(r"(dp|pp|tp)(\d+)", text)}
-    return Layout(dp=degrees.get("dp", 1), pp=degrees.get("pp", 1), tp=degrees.get("tp", 1))
+EXAMPLE = Path(pm.__file__)
 
 
 def _probe() -> torch.Tensor:
@@ -93,7 +93,7 @@ def _run_cases(env: WorkerEnv, base_url: str, cases: list[tuple[str, str]],
     for i, (before, after) in enumerate(cases):
         url = f"{base_url}/case{i}-{before}-to-{after}"
         out: dict[str, Any] = {}
-        layout_a, layout_b = parse_layout(before), parse_layout(after)
+        layout_a, layout_b = pm.parse_layout(before), pm.parse_layout(after)
         if env.rank < layout_a.world_size:
             out["saved_prediction"] = _save_under(env, layout_a, url, f"/reshard/{i}/a/", options)
         if env.rank < layout_b.world_size:
@@ -158,6 +158,31 @@ def test_restore_into_another_layout_on_s3(s3_server: dict[str, Any], s3_url: st
         _check(f"{before}->{after}", results, reference)
 
 
-def test_parse_layout_reads_missing_axes_as_one() -> None:
-    assert parse_layout("dp2xpp2") == Layout(dp=2, pp=2)
-    assert parse_layout("tp2") == Layout(dp=1, tp=2)
+def _torchrun(nprocs: int, *args: str) -> dict[int, float]:
+    """Run the example under torchrun; its loss by step, from rank 0's output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nprocs}", str(EXAMPLE), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, out
+    lines = re.finditer(r"^step (\d+) layout \S+ loss (\S+)$", out, re.MULTILINE)
+    return {int(m[1]): float(m[2]) for m in lines}
+
+
+@pytest.mark.slow
+def test_example_resumes_under_torchrun_with_fewer_workers(tmp_path: Path) -> None:
+    url = (tmp_path / "ckpt").as_uri()
+    # Kept to three workers in all: each one imports torch, the slow part on two cores.
+    before = _torchrun(2, "--layout", "pp2", "--steps", "2", "--ckpt", url)
+    after = _torchrun(1, "--steps", "4", "--ckpt", url)  # planned for one worker: dp1
+    reference = pm.ReferenceTrainer()
+    expected = [reference.step(*pm.make_batch(step)) for step in range(4)]
+    assert sorted(before) == [0, 1] and sorted(after) == [2, 3]
+    for step, loss in {**before, **after}.items():
+        assert loss == pytest.approx(expected[step], abs=1e-5), step

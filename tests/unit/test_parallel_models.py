@@ -6,6 +6,7 @@ import copy
 
 import torch
 
+from elastic_rt.layout import Layout
 from scripts.examples import parallel_models as pm
 
 
@@ -59,3 +60,8 @@ def test_loss_of_the_pieces_sums_to_the_loss_of_the_batch() -> None:
     whole = pm.loss_fn(out, y, len(x))
     parts = pm.loss_fn(out[:5], y[:5], len(x)) + pm.loss_fn(out[5:], y[5:], len(x))
     torch.testing.assert_close(whole, parts)
+
+
+def test_parse_layout_reads_missing_axes_as_one() -> None:
+    assert pm.parse_layout("dp2xpp2") == Layout(dp=2, pp=2)
+    assert pm.parse_layout("tp2") == Layout(dp=1, tp=2)
