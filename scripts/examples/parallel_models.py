@@ -5,7 +5,7 @@ same math as :class:`ReferenceTrainer`, the plain single-process loop, so a run 
 layout half-way (after a node loss, restored from a checkpoint) and still end where it would
 have ended without the change.
 
-``build(layout, groups)`` returns this rank's piece as a trainer with ``step(x, y)``,
+``build(layout, groups)`` returns this rank's piece as a trainer with ``step((x, y))``,
 ``predict(x)``, ``state_dict()`` and ``load_state_dict(state)``:
 
 - ``dp`` only: the whole model under ``DistributedDataParallel``.
@@ -24,6 +24,13 @@ Two choices make checkpoints portable between layouts:
 
 The trainers take the *global* batch and slice their own rows; the loss is a sum over rows
 divided by the global batch size, so the gradient does not depend on how rows are split.
+
+Run it (a second run with another worker count resumes from the checkpoint, resharded)::
+
+    torchrun --standalone --nproc-per-node 4 scripts/examples/parallel_models.py \\
+        --layout dp2xpp2 --steps 10 --ckpt /tmp/pm-ckpt
+    torchrun --standalone --nproc-per-node 3 scripts/examples/parallel_models.py \\
+        --steps 20 --ckpt /tmp/pm-ckpt
 """
 
 from __future__ import annotations
@@ -55,9 +62,11 @@ from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 
 WIDTH = 8
 DEPTH = 4
-# How this model may be split: one block per stage at most, and tp must divide the hidden width.
+# How this model may be split: at least one block per stage; tp must divide both widths.
 LIMITS = ModelLimits(max_pp=DEPTH, tp_options=(1, 2, 4))
 _STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""A global batch: inputs and targets, every rank holding all of it."""
 
 
 class Block(nn.Module):
@@ -107,8 +116,7 @@ def stage_blocks(depth: int, pp: int, stage: int) -> range:
     return range(stage * depth // pp, (stage + 1) * depth // pp)
 
 
-def make_batch(step: int, *, global_batch: int = 12, width: int = WIDTH,
-               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(step: int, *, global_batch: int = 12, width: int = WIDTH, seed: int = 0) -> Batch:
     """The global batch of ``step``: the same on every rank and in every layout."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     x = torch.randn(global_batch, width, generator=generator)
@@ -132,7 +140,7 @@ def make_optimizer(model: nn.Module, lr: float = 0.05) -> torch.optim.Optimizer:
 class Trainer(Protocol):
     """What ``build`` returns: one rank's piece of the model, trainable on a global batch."""
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float: ...
+    def step(self, batch: Batch) -> float: ...
 
     def predict(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -164,7 +172,7 @@ class _Trainable:
     def full_params(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by full name, tensor-parallel shards gathered (collective)."""
         model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        return {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+        return {name: p.full_tensor().detach() if isinstance(p, DTensor) else p.detach().clone()
                 for name, p in model.named_parameters()}
 
 
@@ -175,7 +183,8 @@ class ReferenceTrainer(_Trainable):
         self.model = MLP(seed=seed)
         self.optimizer = make_optimizer(self.model, lr)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def step(self, batch: Batch) -> float:
+        x, y = batch
         loss = loss_fn(self.model(x), y, len(x))
         loss.backward()
         self.optimizer.step()
@@ -196,7 +205,8 @@ class DDPTrainer(_Trainable):
         self.model = DistributedDataParallel(MLP(seed=seed), process_group=groups.dp)
         self.optimizer = make_optimizer(self.model, lr)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def step(self, batch: Batch) -> float:
+        x, y = batch
         rows = _my_rows(len(x), self.dp_rank, self.dp)
         loss = loss_fn(self.model(x[rows]), y[rows], len(x))
         # DDP averages gradients over dp; scaling by dp turns that average into the sum we want.
@@ -228,7 +238,8 @@ class MeshTrainer(_Trainable):
             _split_tensors(self.model, blocks, groups)
         self.optimizer = make_optimizer(self.model, lr)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def step(self, batch: Batch) -> float:
+        x, y = batch
         rows = _my_rows(len(x), self.coords.dp, self.layout.dp)
         # Never an empty micro-batch; every stage of the replica computes the same split.
         n_micro = max(1, min(self.n_micro, rows.stop - rows.start))
@@ -349,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     if ckpt is not None and any(info.committed for info in ckpt.list()):
         start = ckpt.load({"trainer": trainer}, process_group=groups.world).step
     for step in range(start, args.steps):
-        loss = trainer.step(*make_batch(step))
+        loss = trainer.step(make_batch(step))
         if rank == 0:
             print(f"step {step} layout {layout} loss {loss:.6f}", flush=True)
     if ckpt is not None:

@@ -59,7 +59,7 @@ def _save_under(env: WorkerEnv, layout: Layout, url: str, prefix: str,
     groups = _round(env, layout, prefix)
     trainer = pm.build(layout, groups)
     for step in range(STEPS_BEFORE):
-        trainer.step(*pm.make_batch(step))
+        trainer.step(pm.make_batch(step))
     ckpt = Checkpointer(url, storage_options=options)
     ckpt.save(STEPS_BEFORE, {"trainer": trainer}, layout=layout.to_dict(),
               process_group=groups.world)
@@ -81,7 +81,7 @@ def _restore_under(env: WorkerEnv, layout: Layout, url: str, prefix: str,
     ckpt.close()
     prediction = trainer.predict(_probe())
     for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-        trainer.step(*pm.make_batch(step))
+        trainer.step(pm.make_batch(step))
     params = trainer.full_params()
     destroy_groups(groups)
     return {"step": info.step, "prediction": prediction, "params": params}
@@ -105,10 +105,10 @@ def _run_cases(env: WorkerEnv, base_url: str, cases: list[tuple[str, str]],
 def _reference() -> dict[str, Any]:
     ref = pm.ReferenceTrainer()
     for step in range(STEPS_BEFORE):
-        ref.step(*pm.make_batch(step))
+        ref.step(pm.make_batch(step))
     prediction = ref.predict(_probe())
     for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-        ref.step(*pm.make_batch(step))
+        ref.step(pm.make_batch(step))
     return {"prediction": prediction, "params": ref.full_params()}
 
 
@@ -182,7 +182,7 @@ def test_example_resumes_under_torchrun_with_fewer_workers(tmp_path: Path) -> No
     before = _torchrun(2, "--layout", "pp2", "--steps", "2", "--ckpt", url)
     after = _torchrun(1, "--steps", "4", "--ckpt", url)  # planned for one worker: dp1
     reference = pm.ReferenceTrainer()
-    expected = [reference.step(*pm.make_batch(step)) for step in range(4)]
+    expected = [reference.step(pm.make_batch(step)) for step in range(4)]
     assert sorted(before) == [0, 1] and sorted(after) == [2, 3]
     for step, loss in {**before, **after}.items():
         assert loss == pytest.approx(expected[step], abs=1e-5), step

@@ -34,7 +34,7 @@ def test_reference_training_is_deterministic_and_learns() -> None:
     runs = []
     for _ in range(2):
         trainer = pm.ReferenceTrainer()
-        losses = [trainer.step(*pm.make_batch(step % 2)) for step in range(6)]
+        losses = [trainer.step(pm.make_batch(step % 2)) for step in range(6)]
         runs.append((losses, trainer.model.state_dict()))
     (losses, params), (losses_again, params_again) = runs
     assert losses == losses_again
@@ -44,12 +44,12 @@ def test_reference_training_is_deterministic_and_learns() -> None:
 
 def test_reference_state_round_trips_model_and_momentum() -> None:
     trained = pm.ReferenceTrainer()
-    trained.step(*pm.make_batch(0))
+    trained.step(pm.make_batch(0))
     fresh = pm.ReferenceTrainer(seed=1)
     # A copy, as a checkpoint would give: loading may keep the very tensors it is handed.
     fresh.load_state_dict(copy.deepcopy(trained.state_dict()))
     x, y = pm.make_batch(1)
-    assert trained.step(x, y) == fresh.step(x, y)
+    assert trained.step((x, y)) == fresh.step((x, y))
     for (name, a), (_, b) in zip(trained.model.named_parameters(), fresh.model.named_parameters()):
         assert torch.equal(a, b), name
 
