@@ -274,7 +274,8 @@ class _ElasticLoop:
             if not micro:
                 continue
             loss = self.step_fn(self.state, self.collate([self.dataset[i] for i in micro]))
-            scaled = loss * self.sampler.loss_scale(micro)
+            # loss_scale() weighs this micro-batch for a mean over dp ranks; we sum instead.
+            scaled = loss * (self.sampler.loss_scale(micro) / self.sampler.dp_size)
             scaled.backward()
             total += float(scaled.detach())
         _all_reduce_gradients(model, self.groups.dp)

@@ -21,13 +21,13 @@ from tests.integration.launch_helpers import REPO, agent_env, events, launch_arg
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
 SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
-STEPS = 100
+STEPS = 120
 
 
 def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, out: Path,
           nnodes: str = "2:4"):
     args = launch_args(etcd_server.endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name)
-    script = [SCRIPT, "--steps", str(STEPS), "--out", str(out), "--step-time", "0.03"]
+    script = [SCRIPT, "--steps", str(STEPS), "--out", str(out), "--step-time", "0.05"]
     return tree.elastic_rt(*args, *script, env=agent_env(), log=str(tmp / f"{name}.log"))
 
 
