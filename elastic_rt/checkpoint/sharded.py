@@ -27,7 +27,7 @@ import os
 import threading
 import warnings
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 import torch
@@ -50,11 +50,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.futures import Future
+from torch.futures import Future as TorchFuture
 
 from elastic_rt.checkpoint.manifest import FileEntry, Manifest
 from elastic_rt.checkpoint.safe_pickle import load_metadata
 from elastic_rt.checkpoint.storage import FsspecStorage, translate_error
+from elastic_rt.checkpoint.tensor_file import decode_in_place
 from elastic_rt.errors import CheckpointMismatchError, CorruptShardError, ElasticError
 
 logger = logging.getLogger(__name__)
@@ -161,14 +162,14 @@ class VerifyingReader(FsspecReader):
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item)
         for rel, items in per_file.items():
             self._read_file(rel, items, planner)
-        future: Future[None] = Future()
+        future: TorchFuture[None] = TorchFuture()
         future.set_result(None)
         return future
 
@@ -181,7 +182,8 @@ class VerifyingReader(FsspecReader):
         refused: CorruptShardError | None = None
         try:
             with self.fs.create_stream(os.path.join(self.path, rel), "rb") as raw:
-                reader = _VerifyingStream(raw)
+                largest = max(self.storage_data[i.storage_index].length for i in items)
+                reader = _VerifyingStream(raw, largest)
                 try:
                     for item in items:
                         info = self.storage_data[item.storage_index]
@@ -205,18 +207,14 @@ class VerifyingReader(FsspecReader):
         if refused is not None:
             raise refused
 
-    def _load_item(self, item: ReadItem, data: bytes, planner: LoadPlanner, source: str) -> None:
+    def _load_item(self, item: ReadItem, data: memoryview, planner: LoadPlanner,
+                   source: str) -> None:
         if item.type == LoadItemType.BYTE_IO:
             raise CorruptShardError(f"{source} holds a pickled object for {item.dest_index.fqn!r};"
                                     " it was refused")
-        try:
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:  # weights_only refused it, or it is not a tensor file
-            raise CorruptShardError(f"{source} has an item for {item.dest_index.fqn!r} that is "
-                                    f"not a plain tensor and was refused: {exc}") from exc
-        if not isinstance(tensor, torch.Tensor):
-            raise CorruptShardError(f"{source} has a {type(tensor).__name__} for "
-                                    f"{item.dest_index.fqn!r}, not a tensor")
+        tensor = decode_in_place(data)
+        if tensor is None:
+            tensor = _load_weights_only(data, source, item.dest_index.fqn)
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
@@ -226,37 +224,68 @@ class VerifyingReader(FsspecReader):
         planner.commit_tensor(item, target)
 
 
-class _VerifyingStream:
-    """Reads a file front to back, hashing every byte, including skipped ones.
+def _load_weights_only(data: memoryview, source: str, fqn: str) -> torch.Tensor:
+    """The slow, general path: ``torch.load`` with torch's own restricted unpickler."""
+    try:
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refused it, or it is not a tensor file
+        raise CorruptShardError(f"{source} has an item for {fqn!r} that is not a plain "
+                                f"tensor and was refused: {exc}") from exc
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptShardError(f"{source} has a {type(tensor).__name__} for {fqn!r}, "
+                                "not a tensor")
+    return tensor
 
-    The CRC runs in a helper thread (zlib releases the GIL), in read order, so it
-    overlaps with decoding and copying the tensors instead of adding to them.
+
+class _VerifyingStream:
+    """Reads a file front to back into one reused buffer, hashing every byte.
+
+    The CRC of an item runs in a helper thread (zlib releases the GIL) while the
+    caller decodes and copies the item; it is waited for before the buffer is reused.
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, capacity: int) -> None:
         self.raw = raw
         self.size = 0
         self._crc = 0
+        self._buffer = bytearray(max(capacity, 1))
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
+        self._pending: Future | None = None
 
-    def read(self, length: int) -> bytes:
-        data = self.raw.read(length)
-        self.size += len(data)
-        self._hasher.submit(self._update, data)
-        return data
+    def read(self, length: int) -> memoryview:
+        """The next ``length`` bytes (fewer at the end), valid until the next read."""
+        self._settle()
+        if length > len(self._buffer):
+            self._buffer = bytearray(length)
+        view = memoryview(self._buffer)[:length]
+        filled = 0
+        while filled < length:
+            got = self.raw.readinto(view[filled:])
+            if not got:
+                break
+            filled += got
+        self.size += filled
+        self._pending = self._hasher.submit(self._update, view[:filled])
+        return view[:filled]
 
-    def _update(self, data: bytes) -> None:
+    def _update(self, data: memoryview) -> None:
         self._crc = zlib.crc32(data, self._crc)
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
 
     def skip_to(self, offset: int | None) -> None:
         """Hash up to ``offset`` (None: to the end)."""
         while offset is None or self.size < offset:
             want = _CHUNK if offset is None else min(_CHUNK, offset - self.size)
-            if not self.read(want):
+            if not len(self.read(want)):
                 return
 
     def finish(self) -> int:
         """The CRC-32 of everything read; waits for and stops the helper thread."""
+        self._settle()
         self._hasher.shutdown(wait=True)
         return self._crc
 
