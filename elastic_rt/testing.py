@@ -351,7 +351,8 @@ def start_nodes(
         kv: KVStore = EtcdKV(endpoint)
         if counter is not None:
             kv = CountingKV(kv, counter)
-        nodes.append(SimulatedNode(kv, run_id, name, limits, **node_kwargs))  # type: ignore[arg-type]
+        node = SimulatedNode(kv, run_id, name, limits, **node_kwargs)  # type: ignore[arg-type]
+        nodes.append(node)
     for node in nodes:
         node.start()
     return nodes
@@ -389,7 +390,9 @@ def form_round(
     counter = OpCounter()
     clients = [CountingKV(EtcdKV(endpoint), counter) for _ in range(n_nodes)]
     nodes = [
-        SimulatedNode(kv, run_id, f"node-{i:03d}", limits, ttl=ttl, **node_kwargs)  # type: ignore[arg-type]
+        SimulatedNode(
+            kv, run_id, f"node-{i:03d}", limits, ttl=ttl, **node_kwargs  # type: ignore[arg-type]
+        )
         for i, kv in enumerate(clients)
     ]
     counter.reset()

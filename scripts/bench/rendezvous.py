@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import threading
 import time
 import uuid
@@ -130,17 +129,21 @@ def main() -> None:
         for n in args.nodes:
             for _ in range(args.repeats):
                 for loop in args.loops:
-                    results.setdefault((loop, n), []).append(elastic_rt_round(etcd.endpoint, n, loop))
+                    trial = elastic_rt_round(etcd.endpoint, n, loop)
+                    results.setdefault((loop, n), []).append(trial)
                 results.setdefault(("torch-c10d", n), []).append(torch_c10d_round(server, n))
             _print_row_details(results, n, args.loops)
     _print_table(results, args.nodes, args.loops, args.repeats)
 
 
-def _print_row_details(results: dict[tuple[str, int], list[Trial]], n: int, loops: list[str]) -> None:
+def _print_row_details(
+    results: dict[tuple[str, int], list[Trial]], n: int, loops: list[str]
+) -> None:
     for system in [*loops, "torch-c10d"]:
         trials = results[(system, n)]
         times = " ".join(f"{t.seconds:.2f}" for t in trials)
-        print(f"n={n:<4} {system:<10} seconds: {times:<20} ops of median: {median_trial(trials).detail}")
+        detail = median_trial(trials).detail
+        print(f"n={n:<4} {system:<10} seconds: {times:<20} ops of median: {detail}")
 
 
 def _print_table(results: dict[tuple[str, int], list[Trial]], nodes: list[int], loops: list[str],

@@ -55,7 +55,9 @@ class KVStoreContract:
         assert second > first
         assert item is not None and (item.mod_revision, item.create_revision) == (second, first)
 
-    def test_get_prefix_returns_only_that_prefix_sorted_by_key(self, kv: KVStore, prefix: str) -> None:
+    def test_get_prefix_returns_only_that_prefix_sorted_by_key(
+        self, kv: KVStore, prefix: str
+    ) -> None:
         for key in ("b", "a", "c/d"):
             kv.put(prefix + "in/" + key, key.encode())
         kv.put(prefix + "inside", b"sibling")

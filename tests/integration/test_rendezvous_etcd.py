@@ -27,7 +27,9 @@ def start(etcd_server: EtcdServer) -> Iterator[Starter]:
     """Start simulated nodes on the session etcd; all are stopped in teardown."""
     started: list[SimulatedNode] = []
 
-    def _start(run_id: str, names: list[str], limits: Limits, **kwargs: object) -> list[SimulatedNode]:
+    def _start(
+        run_id: str, names: list[str], limits: Limits, **kwargs: object
+    ) -> list[SimulatedNode]:
         nodes = start_nodes(etcd_server.endpoint, run_id, names, limits, **kwargs)
         started.extend(nodes)
         return nodes
@@ -59,7 +61,8 @@ def test_eight_nodes_form_one_round_with_one_writer_and_ranks_by_arrival(
     arrival = sorted(registered.values(), key=lambda n: (n.joined_revision, n.node_id))
     assert formed.members == tuple(n.node_id for n in arrival)
     stored = registry.current_round()
-    assert stored is not None and stored.token == formed.token  # the token is the round key's revision
+    # The token is the round key's revision.
+    assert stored is not None and stored.token == formed.token
 
 
 @pytest.mark.slow
@@ -105,9 +108,10 @@ def test_two_run_ids_on_one_etcd_never_see_each_other(
     other = agreed_round(theirs, lambda r: r.number == 0)
 
     assert mine.token != other.token
-    assert RunRegistry(etcd_kv, run_id).nodes().keys() == RunRegistry(etcd_kv, other_id).nodes().keys()
-    leases = {n.lease for n in RunRegistry(etcd_kv, run_id).nodes().values()}
-    assert leases.isdisjoint(n.lease for n in RunRegistry(etcd_kv, other_id).nodes().values())
+    mine_nodes = RunRegistry(etcd_kv, run_id).nodes()
+    other_nodes = RunRegistry(etcd_kv, other_id).nodes()
+    assert mine_nodes.keys() == other_nodes.keys()  # same names, separate keys
+    assert {n.lease for n in mine_nodes.values()}.isdisjoint(n.lease for n in other_nodes.values())
     theirs[0].stop()  # a graceful leave in one run ...
     agreed_round(theirs[1:], lambda r: r.number == 1, timeout=10)
     assert all(node.current == mine for node in ours)  # ... leaves the other run alone

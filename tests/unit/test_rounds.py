@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elastic_rt.errors import StoreStateError
@@ -216,9 +218,7 @@ def test_restart_round_keeps_members_and_bumps_the_number() -> None:
 
 def test_round_and_node_records_round_trip_through_json() -> None:
     current = round_of("a", "b", number=5, token=0)
-    assert Round.from_json(current.to_json(), token=8) == Round(
-        **{**{f: getattr(current, f) for f in Round.__slots__}, "token": 8}  # type: ignore[arg-type]
-    )
+    assert Round.from_json(current.to_json(), token=8) == dataclasses.replace(current, token=8)
     info = NodeInfo(node_id="a", host="h", nproc=2, alive_addr="127.0.0.1:9")
     assert NodeInfo.from_json(info.to_json(), joined_revision=3, lease=4) == NodeInfo(
         node_id="a", host="h", nproc=2, alive_addr="127.0.0.1:9", joined_revision=3, lease=4
