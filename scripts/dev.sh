@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The two commands a new user runs (see README.md):
+#   bash scripts/dev.sh demo   - a 3-node elastic job on an embedded etcd, one node killed, recovery shown
+#   bash scripts/dev.sh test   - the whole test suite
+# Each first makes .venv (once) with the CPU build of torch and elastic-rt installed editable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.venv
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+if ! "$venv/bin/python" -c "import torch, elastic_rt, pytest, s3fs, moto" 2>/dev/null; then
+    "$venv/bin/pip" install --quiet --upgrade pip
+    # The CPU build of torch; a plain "torch" would pull gigabytes of CUDA.
+    "$venv/bin/pip" install --quiet torch==2.13.0
+    "$venv/bin/pip" install --quiet -e ".[test]"
+fi
+
+case "${1:-}" in
+    demo)
+        shift
+        exec "$venv/bin/python" scripts/demo.py "$@"
+        ;;
+    test)
+        shift
+        exec "$venv/bin/python" -m pytest -q "$@"
+        ;;
+    *)
+        echo "usage: bash scripts/dev.sh demo|test [args]" >&2
+        exit 2
+        ;;
+esac
