@@ -136,7 +136,7 @@ def _worker_command(args: argparse.Namespace) -> list[str]:
 
 def _launch(args: argparse.Namespace) -> int:
     from agents.agent import Agent, AgentConfig
-    from elastic_rt.etcd_server import EtcdServer
+    from elastic_rt.etcd_server import EtcdServer, is_port_free
 
     min_nodes, max_nodes = cfg.parse_nnodes(args.nnodes)
     if args.rdzv_backend not in ("etcd", "etcd-v3"):
@@ -147,6 +147,12 @@ def _launch(args: argparse.Namespace) -> int:
     command = _worker_command(args)
     auth = _auth(args, tls)
     server = None
+    if not endpoint and args.etcd_port is not None and not is_port_free(args.etcd_port):
+        # Checked here so the fix names launch's flag, not `elastic-rt etcd --port`.
+        raise ConfigError(
+            f"--etcd-port {args.etcd_port} is already in use on 127.0.0.1",
+            "Pick another --etcd-port, or leave it out to get a free one.",
+        )
     if not endpoint:
         server = EtcdServer(port=args.etcd_port).start()
         endpoint = server.endpoint
