@@ -32,17 +32,29 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.utils.data import default_collate
 
 from elastic_rt.checkpoint import Checkpointer
 from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV, WorkerEnv
 from elastic_rt.worker_context import Context, set_context
-from elastic_rt.errors import CheckpointNotFoundError, ConfigError, ElasticError
+from elastic_rt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    ElasticError,
+    FencedOutError,
+)
 from elastic_rt.events import EventSink
 from elastic_rt.layout import Layout, ModelLimits, plan_layout
 from elastic_rt.membership import RoundFollower
 from elastic_rt.pg_store import open_round_store
 from elastic_rt.process_groups import Groups, destroy_groups, init_groups
+from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.state_sync import broadcast_state, pick_source
@@ -135,6 +147,14 @@ class _ElasticLoop:
         self.ctx: Context | None = None
         self.store: dist.Store | None = None
         self.progress = _Progress()
+        if checkpoint is not None and self.follower is not None:
+            checkpoint.bind(
+                pointer=FencedPointer(self.follower.registry, checkpoint.url, self._token),
+                events=self.events,
+            )
+
+    def _token(self) -> int:
+        return self.ctx.token if self.ctx else self.env.token
 
     # the loop -------------------------------------------------------------------
     def run(self, max_steps: int) -> TrainState:
@@ -154,8 +174,7 @@ class _ElasticLoop:
                 if self.follower is None:
                     raise ElasticError("a collective failed outside elastic-rt launch; cannot recover")
                 round_ = self.wait_for_round(round_)
-            if self.checkpoint is not None:
-                self.checkpoint.wait()
+            self._finish_checkpoint()
         finally:
             self.shutdown()
         assert self.state is not None
@@ -222,11 +241,13 @@ class _ElasticLoop:
         """No rank holds state: the newest committed checkpoint, else rank 0's init."""
         assert self.state is not None and self.groups is not None
         if self.checkpoint is not None:
+            state = self._checkpoint_state()
             try:
-                info = self.checkpoint.load(self._checkpoint_state(), process_group=self.groups.world)
+                info = self.checkpoint.load(state, process_group=self.groups.world)
             except CheckpointNotFoundError:
                 info = None
             if info is not None:
+                self._load_checkpoint_state(state)
                 self.sampler.load_state_dict(info.extra["sampler"])
                 self.state.extras = dict(info.extra.get("extras", {}))
                 self.progress.step = int(info.extra["step"])
@@ -294,14 +315,45 @@ class _ElasticLoop:
                          world_size=self.ctx.world_size)
         if self.checkpoint is not None and self.checkpoint.should_save(step):
             assert self.groups is not None
-            self.checkpoint.save(step, self._checkpoint_state(), layout=self.ctx.layout.to_dict(),
-                                 extra={"step": step, "sampler": self.sampler.state_dict(),
-                                        "extras": self.state.extras if self.state else {}},
-                                 process_group=self.groups.world)
+            try:
+                self.checkpoint.save(
+                    step, self._checkpoint_state(), layout=self.ctx.layout.to_dict(),
+                    extra={"step": step, "sampler": self.sampler.state_dict(),
+                           "extras": self.state.extras if self.state else {}},
+                    process_group=self.groups.world,
+                )  # fmt: skip
+            except (FencedOutError, CheckpointError) as exc:
+                # The previous save did not commit; the one before it stays the latest.
+                logger.warning("checkpoint before step %d not committed: %s", step, exc)
+
+    def _finish_checkpoint(self) -> None:
+        if self.checkpoint is None:
+            return
+        try:
+            self.checkpoint.wait()
+        except (FencedOutError, CheckpointError) as exc:
+            logger.warning("last checkpoint not committed: %s", exc)
 
     def _checkpoint_state(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by parameter name, so it reshards.
+
+        An optimizer's own state_dict keys its state by parameter index, which
+        collides between pipeline stages; the flattened form names each entry.
+        """
         assert self.state is not None
-        return {"model": self.state.model.state_dict(), "optimizer": self.state.optimizer.state_dict()}
+        model_state, optim_state = get_state_dict(
+            self.state.model, self.state.optimizer,
+            options=StateDictOptions(flatten_optimizer_state_dict=True),
+        )  # fmt: skip
+        return {"model": model_state, "optimizer": optim_state}
+
+    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        assert self.state is not None
+        set_state_dict(
+            self.state.model, self.state.optimizer,
+            model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            options=StateDictOptions(flatten_optimizer_state_dict=True),
+        )  # fmt: skip
 
     # helpers ------------------------------------------------------------------------
     def _place(self, round_: Round | None) -> tuple[int, int, int, int]:

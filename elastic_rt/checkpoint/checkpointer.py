@@ -208,6 +208,15 @@ class Checkpointer:
         committed = set(committed_names(dirs, self._pointer_name()))
         return [self._info(d, d.name in committed) for d in dirs]
 
+    def bind(self, *, pointer: PointerStore | None = None, events: EventSink | None = None) -> None:
+        """Attach the run's fenced pointer and event sink.
+
+        The elastic loop calls this: the user builds the Checkpointer before any
+        round exists, and only the loop knows the round whose token fences commits.
+        """
+        self._pointer = pointer or self._pointer
+        self._events = events or self._events
+
     def close(self) -> None:
         """Wait for the save in flight (raising its error) and stop the writer thread."""
         try:
