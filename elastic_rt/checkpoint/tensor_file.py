@@ -18,6 +18,7 @@ import io
 import pickle
 import struct
 import sys
+import warnings
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +27,26 @@ from typing import Any
 import torch
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, skipped fields, name and extra lengths
+
+
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """``FloatStorage`` -> float32 ... (reading ``.dtype`` warns that TypedStorage is old)."""
+    found = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in (n for n in dir(torch) if n.endswith("Storage")):
+            dtype = getattr(getattr(torch, name), "dtype", None)
+            if isinstance(dtype, torch.dtype):
+                found[name] = dtype
+    return found
+
+
+_STORAGE_DTYPES = _storage_dtypes()
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -56,17 +77,15 @@ class _RecordingUnpickler(pickle.Unpickler):
             return _rebuild_tensor_v2
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        storage_class = getattr(torch, name, None) if module == "torch" else None
-        if name.endswith("Storage") and isinstance(getattr(storage_class, "dtype", None),
-                                                   torch.dtype):
-            return storage_class
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
         raise pickle.UnpicklingError(f"not a plain tensor: {module}.{name}")
 
     def persistent_load(self, pid: Any) -> _Storage:
-        kind, storage_class, key, _location, numel = pid
-        if kind != "storage" or not isinstance(storage_class.dtype, torch.dtype):
+        kind, storage_type, key, _location, numel = pid
+        if kind != "storage" or not isinstance(storage_type, _StorageType):
             raise pickle.UnpicklingError("not a plain tensor storage")
-        return _Storage(storage_class.dtype, str(key), int(numel))
+        return _Storage(storage_type.dtype, str(key), int(numel))
 
 
 class BufferFile(io.RawIOBase):
@@ -119,8 +138,7 @@ def decode_in_place(view: memoryview) -> torch.Tensor | None:
 def _view_record(view: memoryview, record: zipfile.ZipInfo, plan: _Rebuild) -> torch.Tensor | None:
     signature, name_len, extra_len = _LOCAL_HEADER.unpack_from(view, record.header_offset)
     start = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    itemsize = torch.empty((), dtype=plan.storage.dtype).element_size()
-    nbytes = plan.storage.numel * itemsize
+    nbytes = plan.storage.numel * plan.storage.dtype.itemsize
     if (signature != b"PK\x03\x04" or record.compress_type != zipfile.ZIP_STORED
             or record.file_size < nbytes or start + nbytes > len(view)):
         return None
