@@ -380,8 +380,9 @@ class Agent:
         self._stop_workers("a worker failed")
         snapshot = self.registry.snapshot()
         if snapshot.completing:
-            self.registry.close(f"failed: a worker exited with {failed[0].exitcode} while the job was finishing")
-            return 1
+            reason = f"failed: a worker exited with {failed[0].exitcode} while the job was finishing"
+            self.registry.close(reason)
+            return self._closed(reason)
         if snapshot.round is None or snapshot.round.number != round_.number:
             return None
         if self._probe_peers(round_)[0]:
@@ -392,10 +393,10 @@ class Agent:
             return None
         count = self.registry.count_restart()
         if count > self.config.max_restarts:
-            self.registry.close(
-                f"failed: {what}; the restart budget of {self.config.max_restarts} is spent"
-            )
-            return 1
+            # Through _closed, so the node that spent the budget says why, like its peers.
+            reason = f"failed: {what}; the restart budget of {self.config.max_restarts} is spent"
+            self.registry.close(reason)
+            return self._closed(reason)
         self._propose(restart_round(round_, f"{what} (restart {count}/{self.config.max_restarts})", _now_ms()))
         return None
 
