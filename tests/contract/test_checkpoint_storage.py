@@ -77,7 +77,12 @@ def test_s3_without_valid_credentials_is_a_credentials_error(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # only 127.0.0.1 is contacted
     options = {**s3_server, "skip_instance_cache": True}
     with pytest.raises(CredentialsError, match="AWS_ACCESS_KEY_ID") as caught:
         FsspecStorage(s3_url, options).write_bytes("x", b"1")
     assert "testing" not in str(caught.value)
+    ckpt = Checkpointer(s3_url, storage_options=options)
+    ckpt.save(1, {"w": torch.zeros(2)})
+    with pytest.raises(CredentialsError):
+        ckpt.wait()
