@@ -20,6 +20,20 @@ same step failing ``max_failed_steps`` times, or no new round in time.
 Gradients are reduced by the runtime (one flat all-reduce per step over the
 data-parallel group, after local accumulation), which keeps the global batch
 size fixed and the gradient exactly the global-batch mean whatever the split.
+
+**Objects that own their step** (``step=None``): for model parallelism, where a
+rank holds a pipeline stage or a tensor shard, ``build(layout)`` returns an
+object with ``step(batch) -> float``, ``state_dict()`` and ``load_state_dict()``
+(it takes its process groups from :func:`elastic_rt.context`). It does its own
+forward, backward, gradient reduction and optimizer step on this rank's
+data-parallel share of the global batch (every stage of a replica gets the same
+share). The layout is re-planned from ``limits`` every round, and the object is
+rebuilt after every re-form, since the old one is bound to destroyed groups. Its
+state then comes from surviving ranks when they hold every shard of the same cut
+at one step (see ``shard_sync``); otherwise, e.g. when a node holding a whole
+pipeline stage is lost, from the newest committed checkpoint, resharded to the
+new layout: the step counter and the sampler roll back with it, and the steps
+after it are done again (work lost <= the checkpoint interval).
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,12 +71,29 @@ from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.sampler import ElasticSampler
+from elastic_rt.shard_sync import Holder, broadcast_shards, gather_holders, pick_shard_sources
 from elastic_rt.state_sync import broadcast_state, pick_source
 from elastic_rt.train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
-BuildFn = Callable[[Layout], TrainState]
+class SteppedModel(Protocol):
+    """What ``build`` returns when it owns its step (``run(step=None)``): one rank's piece.
+
+    ``step`` trains one step on this rank's data-parallel share of the global batch and
+    returns the global batch's loss; it must scale its loss by the global batch size
+    (fixed for the run), not by the share's. Replicas must be built identical (seeded).
+    """
+
+    def step(self, batch: Any) -> float: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+BuildFn = Callable[[Layout], Any]
+"""Returns a :class:`TrainState`, or a :class:`SteppedModel` when ``step`` is None."""
 StepFn = Callable[[TrainState, Any], torch.Tensor]
 
 
@@ -74,6 +105,9 @@ class _Reform(Exception):
 class _Progress:
     step: int = -1
     """Committed steps; -1 until this rank holds state."""
+    is_dirty: bool = False
+    """The state may not match ``step``: a step or a restore started and did not finish
+    (an owned step may have applied its update before a later collective failed)."""
     failed_attempts: int = 0
     failed_at: float | None = None
     reform_started: float = 0.0
@@ -83,7 +117,7 @@ class _Progress:
 def run(
     *,
     build: BuildFn,
-    step: StepFn,
+    step: StepFn | None,
     dataset: Sequence[Any],
     global_batch_size: int,
     max_steps: int,
@@ -94,18 +128,22 @@ def run(
     max_failed_steps: int = 3,
     reform_timeout: timedelta = timedelta(seconds=120),
     collate: Callable[[list[Any]], Any] = default_collate,
-) -> TrainState:
+) -> Any:
     """Train ``max_steps`` steps elastically; returns this rank's final state.
 
     Args:
         build: makes model and optimizer for a layout; called on a rank's first
-            round only (survivors keep theirs).
+            round only (survivors keep theirs). With ``step=None`` it returns a
+            :class:`SteppedModel` instead, rebuilt after every re-form.
         step: returns the mean loss over the batch it is given; the runtime does
-            backward, gradient reduction and the optimizer step.
+            backward, gradient reduction and the optimizer step. None: the object
+            ``build`` returns owns its step (model parallelism).
         dataset: a map-style dataset (``len`` and indexing).
         global_batch_size: samples per optimizer step over all ranks; fixed.
         checkpoint: saves every ``every_steps`` and restores when no replica survives.
-        micro_batch_size: the most samples per forward/backward (accumulation).
+        micro_batch_size: the most samples per forward/backward (accumulation);
+            only with ``step`` (an object owning its step splits its own share).
+        limits: what the model allows; the layout is planned from it every round.
         max_failed_steps: the same step failing this often is raised, not retried.
         reform_timeout: the most to wait for a round that includes this node.
 
@@ -118,6 +156,11 @@ def run(
             f"max_steps={max_steps}, global_batch_size={global_batch_size}",
             "Pass max_steps >= 0 and global_batch_size >= 1.",
         )
+    if step is None and micro_batch_size is not None:
+        raise ConfigError(
+            "micro_batch_size is set but build() owns its step (step=None)",
+            "Split micro-batches inside the object's step(), or pass a step function.",
+        )
     loop = _ElasticLoop(
         build=build, step=step, dataset=dataset, checkpoint=checkpoint, limits=limits,
         sampler=ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
@@ -129,11 +172,12 @@ def run(
 
 
 class _ElasticLoop:
-    def __init__(self, *, build: BuildFn, step: StepFn, dataset: Sequence[Any],
+    def __init__(self, *, build: BuildFn, step: StepFn | None, dataset: Sequence[Any],
                  checkpoint: Checkpointer | None, limits: ModelLimits, sampler: ElasticSampler,
                  max_failed_steps: int, reform_timeout: timedelta,
                  collate: Callable[[list[Any]], Any], seed: int) -> None:
         self.build, self.step_fn, self.dataset = build, step, dataset
+        self.owns_step = step is None
         self.checkpoint, self.limits, self.sampler = checkpoint, limits, sampler
         self.max_failed_steps, self.reform_timeout = max_failed_steps, reform_timeout
         self.collate, self.seed = collate, seed
@@ -142,7 +186,8 @@ class _ElasticLoop:
                                 node=self.env.node_id, rank=self.env.rank)
         self.follower = RoundFollower(self.env) if self.env.is_elastic else None
         self.collective_timeout = _collective_timeout(self.env)
-        self.state: TrainState | None = None
+        self.state: Any = None  # a TrainState, or a SteppedModel when the object owns its step
+        self.built_for: tuple[Layout, int] | None = None  # (layout, rank) of an owned state
         self.groups: Groups | None = None
         self.ctx: Context | None = None
         self.store: dist.Store | None = None
@@ -157,7 +202,7 @@ class _ElasticLoop:
         return self.ctx.token if self.ctx else self.env.token
 
     # the loop -------------------------------------------------------------------
-    def run(self, max_steps: int) -> TrainState:
+    def run(self, max_steps: int) -> Any:
         round_ = self.follower.current() if self.follower else None
         try:
             while True:
@@ -184,9 +229,11 @@ class _ElasticLoop:
         while self.progress.step < max_steps:
             if self.follower and self.ctx and self.follower.has_newer_round(self.ctx.round):
                 raise _Reform()
+            self.progress.is_dirty = True
             loss = self.train_step()
             self.sampler.advance()
             self.progress.step += 1
+            self.progress.is_dirty = False
             self.progress.failed_attempts = 0
             self._after_step(loss)
 
@@ -206,6 +253,7 @@ class _ElasticLoop:
         self.store = open_round_store(address, is_host=rank == 0, world_size=world,
                                       timeout=self.reform_timeout)
         prefix = f"/elastic_rt/{self.env.run_id}/round-{number}/"
+        self._wait_for_ranks(self.store, prefix, world, number)
         self.groups = init_groups(self.store, rank=rank, world_size=world, layout=layout,
                                   prefix=prefix, timeout=self.collective_timeout)
         self.ctx = Context(rank=rank, world_size=world, local_rank=self.env.local_rank,
@@ -216,9 +264,36 @@ class _ElasticLoop:
             self.follower.acknowledge(round_)
         self._phase("groups.reformed", began, world_size=world, layout=str(layout))
 
+    def _wait_for_ranks(self, store: dist.Store, prefix: str, world: int, number: int) -> None:
+        """Wait until every rank of the round has reached its store, however slow its start.
+
+        A rank (re)started for this round (a joining node, a replaced worker, a fenced
+        node back) first imports torch: seconds, more on a busy host. The bootstrap
+        in ``init_groups`` waits only the collective timeout, which is sized to catch
+        a hung peer; with a slow starter the others time out, raise the alarm, and a
+        new round restarts the starter again: a livelock. This wait is bounded by
+        ``reform_timeout`` and ends at once when a newer round forms (a starter that
+        died on its way in loses its lease), so it never hangs.
+
+        Raises:
+            _Reform: a newer round exists.
+        """
+        key = f"{prefix}checked-in"
+        arrived = store.add(key, 1)
+        deadline = time.monotonic() + self.reform_timeout.total_seconds()
+        while arrived < world and time.monotonic() < deadline:
+            if self.follower is not None and self.follower.has_newer_round(number):
+                raise _Reform()
+            time.sleep(0.01)
+            arrived = store.add(key, 0)
+
     def restore(self) -> None:
         began = time.monotonic()
         assert self.groups is not None and self.ctx is not None
+        if self.owns_step:
+            source = self._restore_owned()
+            self._phase("state.restored", began, source=source)
+            return
         if self.state is None:
             self.state = self.build(self.ctx.layout)
         src, best = pick_source(self.progress.step, self.groups.world)
@@ -256,6 +331,68 @@ class _ElasticLoop:
         self.state.model.load_state_dict(synced)
         self.progress.step = 0
 
+    def _restore_owned(self) -> str:
+        """Rebuild the object for this round's layout; fill it from replicas, else a checkpoint.
+
+        Returns where the state came from, for the ``state.restored`` event.
+        """
+        assert self.groups is not None and self.ctx is not None
+        old, built_for = self.state, self.built_for
+        mine = Holder.of(step=self.progress.step, is_clean=not self.progress.is_dirty,
+                         layout=built_for[0] if built_for else None,
+                         rank=built_for[1] if built_for else None)
+        holders = gather_holders(mine, self.groups.world)
+        # The old object's groups are gone, so everybody builds anew (it may hold its
+        # state until the broadcast below has read it).
+        self.progress.is_dirty = True  # until the new object holds the state of `step`
+        self.state, self.built_for = self.build(self.ctx.layout), (self.ctx.layout, self.ctx.rank)
+        found = pick_shard_sources(holders, self.ctx.layout)
+        if found is not None:
+            step, sources = found
+            coords = self.ctx.layout.coords(self.ctx.rank)
+            payload = broadcast_shards(
+                lambda: {"trainer": old.state_dict(), "sampler": self.sampler.state_dict()},
+                sources, (coords.pp, coords.tp), self.groups.world,
+            )  # fmt: skip
+            self.state.load_state_dict(payload["trainer"])
+            self.sampler.load_state_dict(payload["sampler"])
+            self.progress.step, self.progress.is_dirty = step, False
+            return "replicas"
+        old = None  # free its tensors before the checkpoint is read
+        last = max(h.last_step for h in holders)
+        source = self._load_owned_checkpoint(had_state=last >= 0)
+        self.progress.is_dirty = False
+        if last >= 0:
+            logger.warning("no surviving replica of every shard at one step; rolled back from "
+                           "step %d to %d", last, self.progress.step)
+        return source
+
+    def _load_owned_checkpoint(self, *, had_state: bool) -> str:
+        """The newest committed checkpoint, resharded; the initial state on a fresh start.
+
+        Raises:
+            ElasticError: state was lost with no checkpoint to roll back to.
+        """
+        assert self.groups is not None
+        info = None
+        if self.checkpoint is not None:
+            try:
+                info = self.checkpoint.load(self._checkpoint_state(),
+                                            process_group=self.groups.world)
+            except CheckpointNotFoundError:
+                info = None
+        if info is not None:
+            self.sampler.load_state_dict(info.extra["sampler"])
+            self.progress.step = int(info.extra["step"])
+            return f"checkpoint {info.name}"
+        if had_state:
+            raise ElasticError(
+                f"a model shard was lost at step {self.progress.step} with no surviving replica "
+                "and no committed checkpoint; pass checkpoint=Checkpointer(url, every_steps=N)"
+            )
+        self.progress.step = 0
+        return "init"
+
     def resplit(self) -> None:
         assert self.ctx is not None
         self.sampler.set_world(self.ctx.dp_rank, self.ctx.dp_size)
@@ -286,9 +423,12 @@ class _ElasticLoop:
     # one training step ------------------------------------------------------------
     def train_step(self) -> float:
         assert self.state is not None and self.groups is not None
-        model, optimizer = self.state.model, self.state.optimizer
         # Seeded per step, not per process: a retried or re-split step draws the same numbers.
         torch.manual_seed(self.seed * 1_000_003 + self.progress.step + 1)
+        if self.owns_step:
+            return float(self.state.step(self.collate([self.dataset[i]
+                                                       for i in self.sampler.local_batch()])))
+        model, optimizer = self.state.model, self.state.optimizer
         optimizer.zero_grad(set_to_none=False)
         total = 0.0
         for micro in self.sampler.micro_batches():
@@ -319,7 +459,7 @@ class _ElasticLoop:
                 self.checkpoint.save(
                     step, self._checkpoint_state(), layout=self.ctx.layout.to_dict(),
                     extra={"step": step, "sampler": self.sampler.state_dict(),
-                           "extras": self.state.extras if self.state else {}},
+                           "extras": getattr(self.state, "extras", {})},
                     process_group=self.groups.world,
                 )  # fmt: skip
             except (FencedOutError, CheckpointError) as exc:
@@ -339,8 +479,11 @@ class _ElasticLoop:
 
         An optimizer's own state_dict keys its state by parameter index, which
         collides between pipeline stages; the flattened form names each entry.
+        An object owning its step is stored through its own ``state_dict()``.
         """
         assert self.state is not None
+        if self.owns_step:
+            return {"trainer": self.state}
         model_state, optim_state = get_state_dict(
             self.state.model, self.state.optimizer,
             options=StateDictOptions(flatten_optimizer_state_dict=True),

@@ -24,6 +24,8 @@ Two choices make checkpoints portable between layouts:
 
 The trainers take the *global* batch and slice their own rows; the loss is a sum over rows
 divided by the global batch size, so the gradient does not depend on how rows are split.
+``step_share(share, global_batch)`` trains on rows already split out (the elastic loop hands each
+data-parallel rank its share; see ``pipeline_train.py``).
 
 Run it (a second run with another worker count resumes from the checkpoint, resharded)::
 
@@ -142,6 +144,8 @@ class Trainer(Protocol):
 
     def step(self, batch: Batch) -> float: ...
 
+    def step_share(self, share: Batch, global_batch: int) -> float: ...
+
     def predict(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -208,7 +212,12 @@ class DDPTrainer(_Trainable):
     def step(self, batch: Batch) -> float:
         x, y = batch
         rows = _my_rows(len(x), self.dp_rank, self.dp)
-        loss = loss_fn(self.model(x[rows]), y[rows], len(x))
+        return self.step_share((x[rows], y[rows]), len(x))
+
+    def step_share(self, share: Batch, global_batch: int) -> float:
+        """One step on this rank's rows of a global batch of ``global_batch`` rows."""
+        x, y = share
+        loss = loss_fn(self.model(x), y, global_batch)
         # DDP averages gradients over dp; scaling by dp turns that average into the sum we want.
         (loss * self.dp).backward()
         self.optimizer.step()
@@ -241,11 +250,19 @@ class MeshTrainer(_Trainable):
     def step(self, batch: Batch) -> float:
         x, y = batch
         rows = _my_rows(len(x), self.coords.dp, self.layout.dp)
+        return self.step_share((x[rows], y[rows]), len(x))
+
+    def step_share(self, share: Batch, global_batch: int) -> float:
+        """One step on this replica's rows of a global batch of ``global_batch`` rows.
+
+        Every stage of the replica gets the same rows: the first uses ``x``, the last ``y``.
+        """
+        x, y = share
         # Never an empty micro-batch; every stage of the replica computes the same split.
-        n_micro = max(1, min(self.n_micro, rows.stop - rows.start))
-        micro = zip(torch.tensor_split(x[rows], n_micro), torch.tensor_split(y[rows], n_micro))
+        n_micro = max(1, min(self.n_micro, len(x)))
+        micro = zip(torch.tensor_split(x, n_micro), torch.tensor_split(y, n_micro))
         # GPipe: every micro-batch forward, then every one backward (in reverse order).
-        inputs, outputs = zip(*[self._forward(mx, my, len(x)) for mx, my in micro])
+        inputs, outputs = zip(*[self._forward(mx, my, global_batch) for mx, my in micro])
         for inp, out in zip(reversed(inputs), reversed(outputs)):
             self._backward(inp, out)
         self._sum_grads_over_dp()
