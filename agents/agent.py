@@ -442,8 +442,11 @@ class Agent:
 
     def _leave(self) -> int:
         signum = self._leave_signal or signal.SIGTERM
-        self.workers.stop()
+        # Revoke first: peers re-form without waiting out our workers' grace period,
+        # and a peer whose collective breaks as ours stop finds us unregistered, so
+        # it counts a membership change, not a failure against the restart budget.
         self.keeper.stop(revoke=True)
+        self.workers.stop()
         self.events.emit("node.left", signal=signal.Signals(signum).name)
         logger.info("node %s left on %s", self.info.node_id, signal.Signals(signum).name)
         return 128 + signum
