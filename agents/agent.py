@@ -322,7 +322,14 @@ class Agent:
         return acks
 
     def _workers_follow_rounds(self) -> bool:
-        """True when every local worker has told us it recovers in-process."""
+        """True when every local worker is alive and has told us it recovers in-process.
+
+        A dead worker's ack file outlives it. Following the round with it would
+        make the new round wait for a rank that never comes (and when that rank
+        is 0, hosts its store), so a node with a dead worker restarts instead.
+        """
+        if self.workers.poll()[0] is not WorkerState.RUNNING:
+            return False
         acks = self._acks()
         return bool(acks) and all(a is not None and a.get("in_process") for a in acks)
 
