@@ -66,7 +66,7 @@ class ChaosConfig:
     lease_ttl: int = 3
     collective_timeout: float = 6.0
     """Seconds a collective waits for a hung peer (2 x TTL: the runtime's rule, kept short)."""
-    trial_timeout: float = 240.0
+    trial_timeout: float = 180.0
     every: int = 2
     """Checkpoint interval of the mid-checkpoint fault (small: a write is often in flight)."""
 
@@ -386,8 +386,16 @@ def run_trial(fault: str, index: int, cfg: ChaosConfig, rng: random.Random, root
 
 
 def _orphans(trial: Trial, etcd: EtcdServer) -> int:
-    """Stop etcd, give exiting processes a moment, then count and kill what is left."""
+    """Count (and kill) what outlives the trial.
+
+    etcd is stopped and every agent still running (a trial that did not finish,
+    already reported) is SIGKILLed, but not its workers: those must die with it.
+    """
     etcd.stop()
+    for job in trial.jobs:
+        for node in job.nodes.values():
+            if node.proc.poll() is None:
+                node.proc.kill()
     deadline = time.monotonic() + 10
     while trial.ledger.alive() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -620,10 +628,24 @@ def _check_fenced_and_rejoined(trial: Trial, job: Job, victim: str, round_at_res
         60, f"{victim} back in a round")
     trial.check(rejoined, f"{victim} rejoined a later round")
     job.wait_done(trial.cfg.trial_timeout)
-    stale = [e for e in job.events() if e.node == victim and e.source == "worker"
-             and e.timestamp_ms > resumed_ms and e.round is not None and e.round < round_at_resume
-             and e.name in ("step.completed", "checkpoint.committed")]
+    stale = _stale_writes(job.events(), victim, round_at_resume, resumed_ms)
     trial.check(not stale, f"{victim} wrote nothing for an old round ({len(stale)} stale writes)")
+
+
+def _stale_writes(events: list[Event], victim: str, current: int, since_ms: int) -> list[Event]:
+    """What the victim's old workers did for an old round after they woke up.
+
+    A checkpoint commit is always stale. A step completed in an old round is stale
+    only when no other node completed it in that round: a step whose collective
+    finished just before the pause is logged late, not trained on alone.
+    """
+    done_by_others = {(e.round, e.step) for e in events
+                      if e.name == "step.completed" and e.node != victim}
+    return [e for e in events
+            if e.node == victim and e.source == "worker" and e.timestamp_ms > since_ms
+            and e.round is not None and e.round < current
+            and (e.name == "checkpoint.committed"
+                 or (e.name == "step.completed" and (e.round, e.step) not in done_by_others))]
 
 
 # network namespace ---------------------------------------------------------------------------
