@@ -6,10 +6,10 @@ no second pass. Each rank writes only its own shards, and DCP's planner writes a
 data-parallel replica once.
 
 Loading uses our own reader. It reads DCP's ``.metadata`` with the restricted
-unpickler, refuses pickled (``BYTE_IO``) items, decodes tensors with
-``torch.load(weights_only=True)``, and reads every file it touches from start to
-end in one sequential pass, checking size and CRC-32 against the manifest when it
-reaches the end. DCP's planner does the resharding: any saved layout loads into any
+unpickler, refuses pickled (``BYTE_IO``) items, decodes tensors in place
+(:mod:`.tensor_file`; ``torch.load(weights_only=True)`` for anything unusual), and
+reads every file it touches from start to end in one sequential pass into one
+reused buffer, checking size and CRC-32 against the manifest at the end. DCP's planner does the resharding: any saved layout loads into any
 sharding of ``state`` (plain tensors, DTensors, per-rank differing keys).
 
 Note:
