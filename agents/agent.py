@@ -122,6 +122,8 @@ class Agent:
         self._awaiting_ack: tuple[int, float] | None = None
         """(round, deadline) while in-process workers re-form into a new round."""
         self._alarm_seen = 0
+        self._dirty = True
+        self._last_read = 0.0
 
     # entry point ---------------------------------------------------------------
     def run(self) -> int:
@@ -133,11 +135,21 @@ class Agent:
         """
         self._install_signal_handlers()
         self._join()
-        cancel_watch = self.kv.on_change(self.registry.prefix, self._wake.set)
+        # Wake on what changes this node's decision, not on every registration: with
+        # N nodes that would be N^2 reads. A newcomer reads after its own put and
+        # proposes its own admission, so nobody else needs to hear about it.
+        cancels = [
+            self.kv.on_change(self.registry.key(name), self._store_changed)
+            for name in ("round", "closed", "completing", "alarm")
+        ]
+        cancels.append(
+            self.kv.on_change(self.registry.key("nodes/"), self._store_changed, deletes_only=True)
+        )
         try:
             return self._loop()
         finally:
-            cancel_watch()
+            for cancel in cancels:
+                cancel()
             self.workers.stop()
             self.keeper.stop(revoke=True)
             self.alive.close()
@@ -171,8 +183,14 @@ class Agent:
         while True:
             if self._leave_signal is not None:
                 return self._leave()
+            if not self._should_read():
+                exit_code = self._participate(Participate(self.running_round))  # type: ignore[arg-type]
+                if exit_code is not None:
+                    return exit_code
+                continue
             try:
                 snapshot = self.registry.snapshot()
+                self._last_read = time.monotonic()
             except StoreError as exc:
                 logger.warning("etcd unavailable (%s); workers keep running", exc)
                 self._sleep(self.config.monitor_interval.total_seconds() * 5)
@@ -214,6 +232,7 @@ class Agent:
     # rounds --------------------------------------------------------------------
     def _propose(self, action: Propose) -> None:
         began = time.monotonic()
+        self._dirty = True
         written = self.registry.propose(action)
         if written is None:
             return
@@ -477,6 +496,21 @@ class Agent:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+
+    def _store_changed(self) -> None:
+        self._dirty = True
+        self._wake.set()
+
+    def _should_read(self) -> bool:
+        """Re-read the run only on a change, at least once a second, or when not running.
+
+        Checking local workers every monitor interval costs nothing; reading the
+        whole run from etcd that often would, for every node of a large job.
+        """
+        if self._dirty or self.running_round is None or self._awaiting_ack:
+            self._dirty = False
+            return True
+        return time.monotonic() - self._last_read >= 1.0
 
     def _sleep(self, seconds: float) -> None:
         self._wake.wait(seconds)

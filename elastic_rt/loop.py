@@ -83,6 +83,12 @@ class SteppedModel(Protocol):
     ``step`` trains one step on this rank's data-parallel share of the global batch and
     returns the global batch's loss; it must scale its loss by the global batch size
     (fixed for the run), not by the share's. Replicas must be built identical (seeded).
+
+    An object may set ``is_step_atomic = True`` when ``step`` applies its update only after
+    its last collective, so that a step that raises (a peer died) has changed no parameter
+    or optimizer state. Its state then still counts after a failed step, and surviving
+    replicas can restore a lost one with no steps lost; without it, a failed step means the
+    checkpoint.
     """
 
     def step(self, batch: Any) -> float: ...
@@ -185,6 +191,10 @@ class _ElasticLoop:
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
         self.follower = RoundFollower(self.env) if self.env.is_elastic else None
+        if self.follower is not None:
+            # Tell the agent at once that we recover in-process, so that a round formed
+            # while we are still starting does not make it restart us.
+            self.follower.announce()
         self.collective_timeout = _collective_timeout(self.env)
         self.state: Any = None  # a TrainState, or a SteppedModel when the object owns its step
         self.built_for: tuple[Layout, int] | None = None  # (layout, rank) of an owned state
@@ -229,7 +239,7 @@ class _ElasticLoop:
         while self.progress.step < max_steps:
             if self.follower and self.ctx and self.follower.has_newer_round(self.ctx.round):
                 raise _Reform()
-            self.progress.is_dirty = True
+            self.progress.is_dirty = not self._is_step_atomic()
             loss = self.train_step()
             self.sampler.advance()
             self.progress.step += 1
@@ -260,6 +270,7 @@ class _ElasticLoop:
                            node_id=self.env.node_id, round=number, token=token, layout=layout,
                            groups=self.groups)
         set_context(self.ctx)
+        self.events.rank = rank  # events carry the rank of the round they happen in
         if self.follower and round_:
             self.follower.acknowledge(round_)
         self._phase("groups.reformed", began, world_size=world, layout=str(layout))
@@ -499,6 +510,13 @@ class _ElasticLoop:
         )  # fmt: skip
 
     # helpers ------------------------------------------------------------------------
+    def _is_step_atomic(self) -> bool:
+        """Whether a step that raises leaves the state as the last committed step left it.
+
+        The runtime's own step updates last; an object owning its step says so itself.
+        """
+        return not self.owns_step or bool(getattr(self.state, "is_step_atomic", False))
+
     def _place(self, round_: Round | None) -> tuple[int, int, int, int]:
         """(rank, world size, token, round number) of this worker in ``round_``."""
         if round_ is None:

@@ -120,12 +120,19 @@ class RoundFollower:
         except StoreError as exc:
             logger.warning("could not raise the alarm: %s", exc)
 
+    def announce(self) -> None:
+        """Tell the agent we run in-process before we have joined any round."""
+        self._write_ack(-1)
+
     def acknowledge(self, round_: Round) -> None:
-        """Tell the agent we run in-process and have joined ``round_`` (atomic write)."""
+        """Tell the agent we run in-process and have joined ``round_``."""
+        self._write_ack(round_.number)
+
+    def _write_ack(self, round_number: int) -> None:
         if not self.env.agent_dir:
             return
         path = ack_path(self.env.agent_dir, self.env.local_rank)
-        payload = {"pid": os.getpid(), "round": round_.number, "in_process": True}
+        payload = {"pid": os.getpid(), "round": round_number, "in_process": True}
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as handle:
             json.dump(payload, handle)

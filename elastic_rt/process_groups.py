@@ -31,6 +31,8 @@ from elastic_rt.layout import AXES, Layout
 
 logger = logging.getLogger(__name__)
 
+_JOIN_TIMEOUT = timedelta(minutes=2)
+
 
 @dataclass(frozen=True)
 class Groups:
@@ -113,8 +115,12 @@ def init_groups(
 
 def _create(store: dist.Store, rank: int, layout: Layout, prefix: str, timeout: timedelta,
             backend: str) -> Groups:
+    # Joining waits for the slowest rank of the round, e.g. a new node's workers still
+    # importing torch, which can take far longer than any collective should; so the
+    # world group waits generously while the per-axis groups, which carry the
+    # training collectives, keep the short ``timeout`` that frees survivors of a hung peer.
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
-                            world_size=layout.world_size, timeout=timeout)
+                            world_size=layout.world_size, timeout=max(timeout, _JOIN_TIMEOUT))
     mine = {axis: _axis_group(layout, axis, rank, timeout, backend) for axis in AXES}
     mesh = DeviceMesh.from_group(
         [mine[axis] for axis in AXES],

@@ -25,7 +25,8 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import etcd3  # noqa: E402 - after the gRPC setting above
-import etcd3.watch  # noqa: E402
+import etcd3.watch
+from etcd3 import etcdrpc  # noqa: E402
 import grpc  # noqa: E402
 import six  # noqa: E402
 
@@ -289,14 +290,19 @@ class EtcdKV:
     def revision(self) -> int:
         return int(self._client.status().raft_index)
 
-    def on_change(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
-        watch = _Watch(self, prefix, callback)
+    def on_change(
+        self, prefix: str, callback: Callable[[], None], *, deletes_only: bool = False
+    ) -> Callable[[], None]:
+        watch = _Watch(self, prefix, callback, deletes_only=deletes_only)
         watch.arm()
         return watch.cancel
 
     @_translated
-    def _add_watch(self, prefix: str, callback: Callable[[Any], None]) -> int:
-        return int(self._client.add_watch_prefix_callback(prefix, callback))
+    def _add_watch(
+        self, prefix: str, callback: Callable[[Any], None], deletes_only: bool = False
+    ) -> int:
+        filters = [etcdrpc.WatchCreateRequest.NOPUT] if deletes_only else None
+        return int(self._client.add_watch_prefix_callback(prefix, callback, filters=filters))
 
     def _cancel_watch(self, watch_id: int) -> None:
         self._client.cancel_watch(watch_id)
@@ -359,8 +365,11 @@ class _Watch:
     poll as well, so a missed event only costs them one poll interval.
     """
 
-    def __init__(self, kv: EtcdKV, prefix: str, callback: Callable[[], None]) -> None:
+    def __init__(
+        self, kv: EtcdKV, prefix: str, callback: Callable[[], None], *, deletes_only: bool = False
+    ) -> None:
         self._kv = kv
+        self._deletes_only = deletes_only
         self._prefix = prefix
         self._callback = callback
         self._watch_id: int | None = None
@@ -368,7 +377,7 @@ class _Watch:
 
     def arm(self) -> None:
         try:
-            self._watch_id = self._kv._add_watch(self._prefix, self._relay)
+            self._watch_id = self._kv._add_watch(self._prefix, self._relay, self._deletes_only)
         except Exception:  # noqa: BLE001 - thread boundary: log and retry later
             logger.debug("watch on %s not armed; retrying", self._prefix, exc_info=True)
             self._rearm_later()

@@ -123,9 +123,13 @@ def test_events_file_adds_recoveries_and_last_events(
 
 
 def test_unknown_run_id_is_one_line_naming_the_runs_that_exist(
-    etcd_server, etcd_kv, run_id, capsys
+    fresh_etcd, run_id, capsys
 ) -> None:
+    # A fresh etcd: the session's one holds other tests' runs, and the list is cut short.
+    etcd_server = fresh_etcd
+    etcd_kv = EtcdKV(etcd_server.endpoint)
     _running_run(etcd_kv, run_id)
+    etcd_kv.close()
     with pytest.raises(UnknownRunError, match=f"no run 'nope' on etcd.*{run_id}"):
         _status(etcd_server.endpoint, "nope")
     argv = ["status", "--run-id", "nope", "--rdzv-endpoint", f"etcd://{etcd_server.endpoint}"]
