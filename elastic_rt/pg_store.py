@@ -6,9 +6,11 @@ its node's agent publishes in etcd under ``store/<k>``. Not an etcd-backed store
 - It survives any single node: round k+1's store lives on round k+1's first
   member, so the node that died cannot take it along; rounds never share one
   (each round's groups also use their own key prefix).
-- It is fast: bootstrapping gloo makes O(world) store reads and writes, each a
-  loopback round trip to a TCPStore (~0.1 ms) instead of an etcd write that
-  must reach disk through raft (~1-2 ms here), with no polling for ``wait``.
+- It is fast: bootstrapping gloo makes O(world) store reads and writes. Measured
+  by ``scripts/bench/pg_store.py`` on this machine (medians of 500): a TCPStore
+  get takes 0.035 ms and a set 0.002 ms; etcd takes 0.45 ms to get and 0.94 ms
+  to put (13x and ~600x slower), since every write goes through raft to disk,
+  and a c10d ``wait`` on etcd would have to poll or hold a watch.
 - It is what torchrun's env:// uses, so a torchrun script's rank 0 hosts it the
   same way in restart mode.
 """
