@@ -1,0 +1,360 @@
+"""Recovery after a node fault: elastic-rt (in-process, restart mode) beside torchrun.
+
+Three nodes on loopback, one gloo worker each, CPU. Once the job has completed
+``--kill-step`` steps, node ``c`` is hit by the case's fault. Measured per trial:
+
+- **recovery**: seconds from the fault (``time.time()`` taken right before the
+  first ``os.killpg``) to the first step a survivor completes *after recovery*:
+  in-process, a ``step.completed`` event of a later round than the fault's; with
+  restarts (restart mode, torchrun), a progress row from a worker process that did
+  not exist at the fault. (A step a survivor finishes just after the fault in the
+  old round, its all-reduce already done, is not a recovery.)
+- **steps lost**: the last step completed before recovery (any node, old round or
+  old processes) minus the step the survivors resume from (their first step after
+  recovery, minus one). Restart mode and torchrun resume from the last
+  ``torch.save`` checkpoint (``--ckpt-every``); in-process from a survivor's memory.
+
+Cases (all kill the same node ``c``, never torchrun's store host ``a``, see below):
+
+=================  ==========================================================
+inproc-kill        elastic-rt in-process (``elastic_train.py``); SIGKILL to every
+                   process group of node c (agent and worker)
+inproc-hang        same, SIGSTOP instead (a hung node); the workers' collective
+                   timeout is set to lease TTL + 1 s; SIGCONT afterwards
+inproc-worker      same, SIGKILL of node c's worker process group only
+restart-kill       elastic-rt restart mode: ``torchrun_ddp.py`` under
+                   ``elastic-rt launch``; node SIGKILL
+torchrun-default   ``torchrun --rdzv-backend=c10d --nnodes 2:3`` with its
+                   rendezvous defaults; node SIGKILL
+torchrun-fast      the same with the fastest settings that still work reliably
+                   (``--torchrun-fast-conf``); node SIGKILL
+=================  ==========================================================
+
+torchrun's c10d rendezvous store lives in the agent of the node that hosts it
+(``is_host=true``, node a here); killing that node ends the job for everyone, so
+torchrun can only survive losing another node, and node c is the victim in every
+case. torchrun needs ``--max-restarts`` > 0 to survive anything (its default is 0):
+the survivors' workers fail when a peer dies and count as a restart; 3 is used.
+
+Both scripts build Linear(64, 64)-Tanh-Linear(64, 1) on 16 samples per rank (48
+per step) and sleep ``--step-time`` per step (simulated compute).
+
+Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
+      python scripts/bench/recovery.py --quick           # 1 repeat, no torchrun-default
+      python scripts/bench/recovery.py --cases inproc-kill torchrun-fast --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from _common import (
+    PYTHON,
+    REPO,
+    JsonLines,
+    Procs,
+    env_with_repo,
+    fmt,
+    interruptible,
+    median,
+    table,
+    wait_for,
+)
+
+from elastic_rt.etcd_server import EtcdServer, free_port
+
+ELASTIC_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
+TORCHRUN_SCRIPT = str(REPO / "scripts" / "examples" / "torchrun_ddp.py")
+NODES = ("a", "b", "c")
+VICTIM = "c"
+FAST_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,close_timeout=1"
+FAST_MONITOR = 0.1
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    launcher: str
+    """"elastic" or "torchrun"."""
+    in_process: bool
+    fault: str
+    """"node-kill", "node-hang" or "worker-kill"."""
+    target: str
+    rdzv_conf: str = ""
+
+
+def cases(args: argparse.Namespace) -> dict[str, Case]:
+    ttl = args.lease_ttl
+    listed = [
+        Case("inproc-kill", "elastic", True, "node-kill", "<= 1.5 s, 0 lost"),
+        Case("inproc-hang", "elastic", True, "node-hang", f"<= TTL+1 = {ttl + 1} s"),
+        Case("inproc-worker", "elastic", True, "worker-kill", "<= 1.5 s"),
+        Case("restart-kill", "elastic", False, "node-kill", "<= 6 s"),
+        Case("torchrun-default", "torchrun", False, "node-kill", "-"),
+        Case("torchrun-fast", "torchrun", False, "node-kill", "-", rdzv_conf=args.torchrun_fast_conf),
+    ]
+    return {c.name: c for c in listed}
+
+
+@dataclass(frozen=True)
+class Trial:
+    recovery_s: float | None
+    steps_lost: int | None
+    last_before: int | None
+    resumed_from: int | None
+    victim_rank: int | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One completed step of one worker, from either script's output."""
+
+    time: float
+    step: int
+    rank: int
+    world_size: int
+    node: str | None
+    round: int | None
+    pid: int | None
+
+
+def _rows(case: Case, tail: JsonLines) -> list[Row]:
+    new = tail.poll()
+    if case.in_process:
+        return [Row(e["timestamp_ms"] / 1000, e["step"], e["rank"], e["metadata"]["world_size"],
+                    e["node"], e["round"], None)
+                for e in new if e.get("name") == "step.completed"]
+    return [Row(r["time"], r["step"], r["rank"], r["world_size"], None, None, r["pid"]) for r in new]
+
+
+class Job:
+    """One trial's three nodes."""
+
+    def __init__(self, case: Case, args: argparse.Namespace, procs: Procs, etcd: EtcdServer | None,
+                 work: Path) -> None:
+        self.case, self.args, self.procs, self.etcd, self.work = case, args, procs, etcd, work
+        self.events = work / "events.jsonl"
+        self.output = self.events if case.in_process else work / "progress.jsonl"
+        self.tail = JsonLines(self.output)
+        self.rows: list[Row] = []
+        self.nodes: dict[str, int] = {}
+        self.run_id = f"bench-{case.name}-{uuid.uuid4().hex[:6]}"
+        self.store_port = free_port()
+
+    def start(self) -> None:
+        for node in NODES:
+            proc = self.procs.start(self._command(node), env=self._env(), log=self.work / f"{node}.log")
+            self.nodes[node] = proc.pid
+
+    def _script(self) -> list[str]:
+        a = self.args
+        common = ["--steps", "100000", "--step-time", str(a.step_time), "--width", "64"]
+        if self.case.in_process:
+            return [ELASTIC_SCRIPT, *common, "--global-batch", "48",
+                    "--checkpoint", str(self.work / "ckpt"), "--every", str(a.ckpt_every)]
+        return [TORCHRUN_SCRIPT, *common, "--ckpt", str(self.work / "ckpt.pt"),
+                "--ckpt-every", str(a.ckpt_every), "--progress", str(self.output)]
+
+    def _command(self, node: str) -> list[str]:
+        if self.case.launcher == "elastic":
+            assert self.etcd is not None
+            return [PYTHON, "-m", "elastic_rt.cli", "launch", "--nnodes", "2:3",
+                    "--nproc-per-node", "1", "--rdzv-endpoint", f"etcd://{self.etcd.endpoint}",
+                    "--run-id", self.run_id, "--node-id", node, "--events-file", str(self.events),
+                    "--lease-ttl", str(self.args.lease_ttl), *self._script()]
+        conf = [f"is_host={'true' if node == NODES[0] else 'false'}"]
+        if self.case.rdzv_conf:
+            conf.append(self.case.rdzv_conf)
+        monitor = self.args.torchrun_fast_monitor if self.case.rdzv_conf else 0.1
+        return [PYTHON, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.store_port}",
+                "--rdzv-id", self.run_id, "--rdzv-conf", ",".join(conf), "--max-restarts", "3",
+                "--monitor-interval", str(monitor), "--local-addr", "127.0.0.1", *self._script()]
+
+    def _env(self) -> dict[str, str]:
+        extra = {}
+        if self.case.fault == "node-hang":
+            extra["ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC"] = str(self.args.lease_ttl + 1)
+        return env_with_repo(**extra)
+
+    def poll(self) -> list[Row]:
+        new = _rows(self.case, self.tail)
+        self.rows.extend(new)
+        return self.rows
+
+    def _check_alive(self) -> None:
+        for node, pid in self.nodes.items():
+            proc = next(p for p in self.procs.procs if p.pid == pid)
+            if proc.poll() is not None and not (node == VICTIM and self._faulted):
+                log = (self.work / f"{node}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"node {node} exited with {proc.returncode}:\n{log}")
+
+    _faulted = False
+
+    def run_trial(self) -> Trial:
+        a = self.args
+        self.start()
+        wait_for(lambda: self._check_alive() or max((r.step for r in self.poll()), default=0) >= a.kill_step,
+                 a.start_timeout, f"step {a.kill_step}")
+        victim_tree = self.procs.tree(self.nodes[VICTIM])
+        old_pids = {p.pid for pid in self.nodes.values() for p in self.procs.tree(pid)}
+        fault_round = max((r.round or 0) for r in self.poll())
+        stamp = self._fault(victim_tree)
+        self._faulted = True
+
+        def recovered(r: Row) -> bool:
+            if r.time <= stamp:
+                return False
+            if self.case.in_process:
+                return r.node != VICTIM and (r.round or 0) > fault_round
+            return r.pid not in old_pids
+
+        first = wait_for(lambda: self._check_alive() or next((r for r in self.poll() if recovered(r)), None),
+                         a.recover_timeout, "the survivors' next step")
+        # The job must go on after recovery (a false eviction would show here).
+        wait_for(lambda: self._check_alive() or any(recovered(r) and r.step >= first.step + 3
+                                                    for r in self.poll()),
+                 a.recover_timeout, "3 more steps after recovery")
+        if self.case.fault == "node-hang":
+            self.procs.signal_tree(self.nodes[VICTIM], signal.SIGCONT)
+        def old(r: Row) -> bool:
+            return (r.round or 0) <= fault_round if self.case.in_process else r.pid in old_pids
+
+        before = [r for r in self.rows if old(r)]
+        last_before = max(r.step for r in before)
+        victim_rank = next((r.rank for r in before if self._is_victim(r, victim_tree)), None)
+        return Trial(recovery_s=first.time - stamp, steps_lost=max(0, last_before - (first.step - 1)),
+                     last_before=last_before, resumed_from=first.step - 1, victim_rank=victim_rank)
+
+    def _is_victim(self, r: Row, victim_tree: list) -> bool:
+        if self.case.in_process:
+            return r.node == VICTIM
+        return r.pid in {p.pid for p in victim_tree}
+
+    def _fault(self, victim_tree: list) -> float:
+        root = self.nodes[VICTIM]
+        if self.case.fault == "node-kill":
+            return self.procs.signal_tree(root, signal.SIGKILL)
+        if self.case.fault == "node-hang":
+            return self.procs.signal_tree(root, signal.SIGSTOP)
+        workers = [p for p in victim_tree if p.pid != root]
+        if not workers:
+            raise RuntimeError("node c has no worker process")
+        return self.procs.signal_tree(workers[0].pid, signal.SIGKILL)
+
+
+def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root: Path,
+             repeats: int) -> list[Trial]:
+    trials = []
+    for i in range(repeats):
+        work = root / f"{case.name}-{i}"
+        work.mkdir(parents=True)
+        procs = Procs()
+        began = time.monotonic()
+        try:
+            trial = Job(case, args, procs, etcd, work).run_trial()
+        except (TimeoutError, RuntimeError) as exc:
+            trial = Trial(None, None, None, None, None, error=str(exc).splitlines()[0])
+        finally:
+            procs.close()
+        trials.append(trial)
+        print(f"  {case.name} #{i + 1}: recovery {fmt(trial.recovery_s)} s, steps lost "
+              f"{fmt(trial.steps_lost, 'd')} (last {trial.last_before}, resumed from "
+              f"{trial.resumed_from}), victim rank {trial.victim_rank}, trial took "
+              f"{time.monotonic() - began:.0f} s{'  ERROR: ' + trial.error if trial.error else ''}"
+              f"  [{work}]", flush=True)
+    return trials
+
+
+def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
+    med = {n: median([t.recovery_s for t in ts if t.recovery_s is not None]) for n, ts in results.items()}
+    default, fast = med.get("torchrun-default"), med.get("torchrun-fast")
+
+    def ratio(base: float | None, value: float | None) -> str:
+        return "-" if base is None or not value else f"{base / value:.1f}x"
+
+    rows = []
+    for name, trials in results.items():
+        ok = [t for t in trials if t.recovery_s is not None]
+        times = [t.recovery_s for t in ok]
+        lost = median([t.steps_lost for t in ok])
+        rows.append([
+            name, f"{len(ok)}/{len(trials)}", fmt(med[name]),
+            f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
+            fmt(lost, ".0f"), ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
+        ])  # fmt: skip
+    return table(["case", "ok", "recovery s (median)", "min-max", "steps lost (median)",
+                  "torchrun-default / this", "torchrun-fast / this", "target"], rows)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", default=None,
+                   help="cases to run (default: all; --quick drops torchrun-default)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--slow-repeats", type=int, default=1,
+                   help="repeats of torchrun-default (about a minute each)")
+    p.add_argument("--quick", action="store_true", help="1 repeat each, no torchrun-default")
+    p.add_argument("--kill-step", type=int, default=35,
+                   help="fault once this step is done (35: mid-way between checkpoints)")
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--step-time", type=float, default=0.05, help="simulated compute per step (s)")
+    p.add_argument("--lease-ttl", type=int, default=3, help="elastic-rt --lease-ttl (s)")
+    p.add_argument("--torchrun-fast-conf", default=FAST_CONF, help="--rdzv-conf of torchrun-fast")
+    p.add_argument("--torchrun-fast-monitor", type=float, default=FAST_MONITOR,
+                   help="--monitor-interval of torchrun-fast")
+    p.add_argument("--start-timeout", type=float, default=120)
+    p.add_argument("--recover-timeout", type=float, default=150)
+    p.add_argument("--keep", action="store_true", help="keep logs and outputs")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    known = cases(args)
+    names = args.cases or [n for n in known if not (args.quick and n == "torchrun-default")]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"unknown case(s) {unknown}; choose from {list(known)}", file=sys.stderr)
+        return 2
+    repeats = 1 if args.quick else args.repeats
+    root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    print(f"recovery benchmark: 3 nodes x 1 gloo worker, fault on node {VICTIM} at step "
+          f"{args.kill_step}, step time {args.step_time} s, checkpoint every {args.ckpt_every} "
+          f"steps, elastic-rt --lease-ttl {args.lease_ttl}, torchrun-fast --rdzv-conf "
+          f"{args.torchrun_fast_conf} --monitor-interval {args.torchrun_fast_monitor}; logs in {root}",
+          flush=True)
+    etcd = None
+    results: dict[str, list[Trial]] = {}
+    try:
+        with interruptible():
+            if any(known[n].launcher == "elastic" for n in names):
+                etcd = EtcdServer()
+                etcd.start()
+            for name in names:
+                n = max(1, min(repeats, args.slow_repeats)) if name == "torchrun-default" else repeats
+                results[name] = run_case(known[name], args, etcd, root, n)
+    except KeyboardInterrupt:
+        print("interrupted; everything started was killed", file=sys.stderr)
+    finally:
+        if etcd is not None:
+            etcd.stop()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    if results:
+        print()
+        print(report(results, {n: known[n] for n in results}))
+    return 0 if results and all(t.recovery_s is not None for ts in results.values() for t in ts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
