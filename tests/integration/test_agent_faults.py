@@ -63,7 +63,8 @@ class Job:
         script = [TORCHRUN_SCRIPT, "--steps", str(self.steps), "--ckpt", str(self.tmp / "ckpt.pt"),
                   "--ckpt-every", "2", "--progress", str(self.tmp / "progress.jsonl"),
                   "--step-time", str(self.step_time), "--width", "16"]
-        proc = self.tree.elastic_rt(*args, *script, env=agent_env(), log=str(self.tmp / f"{name}.log"))
+        log = str(self.tmp / f"{name}.log")
+        proc = self.tree.elastic_rt(*args, *script, env=agent_env(), log=log)
         self.agents[name] = proc
         self._remember([proc.pid])
         return proc

@@ -66,7 +66,7 @@ def _assert_one_line_error(result: subprocess.CompletedProcess[str], *names: str
         (("--nnodes", "0"), ("--nnodes", "'0'")),
         (("--rdzv-endpoint", "zk://127.0.0.1:2181"), ("zk", "etcd://host:port")),
         (("--nproc-per-node", "0"), ("--nproc-per-node 0", "Pass 1 or more")),
-        (("--rdzv-endpoint", "etcd://127.0.0.1:notaport"), ("127.0.0.1:notaport", "etcd://host:port")),
+        (("--rdzv-endpoint", "etcd://127.0.0.1:x"), ("127.0.0.1:x", "etcd://host:port")),
     ],
     ids=["nnodes-reversed", "nnodes-text", "nnodes-zero", "scheme", "nproc-zero", "endpoint-port"],
 )
