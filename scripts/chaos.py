@@ -176,8 +176,10 @@ class Job:
     """One run id on an etcd: its nodes, event log, output and checkpoint folder."""
 
     def __init__(self, trial: "Trial", run_id: str, *, nnodes: str = "1:3",
-                 checkpoint: bool = False, endpoint: str | None = None) -> None:
+                 checkpoint: bool = False, endpoint: str | None = None,
+                 lease_ttl: int | None = None) -> None:
         self.trial, self.run_id, self.nnodes = trial, run_id, nnodes
+        self.lease_ttl = lease_ttl or trial.cfg.lease_ttl
         self.dir = trial.dir / run_id
         self.dir.mkdir(parents=True)
         self.out = self.dir / "params.pt"
@@ -195,7 +197,7 @@ class Job:
             "--nnodes", self.nnodes, "--nproc-per-node", "1",
             "--rdzv-endpoint", f"etcd://{self.endpoint}", "--run-id", self.run_id,
             "--node-id", name, "--events-file", str(self.tail.path),
-            "--lease-ttl", str(cfg.lease_ttl), "--last-call", "5", "--max-restarts", "5",
+            "--lease-ttl", str(self.lease_ttl), "--last-call", "5", "--max-restarts", "5",
             *(("--local-addr", host) if host else ()),
             SCRIPT, "--steps", str(cfg.steps), "--out", str(self.out),
             "--step-time", str(cfg.step_time),
@@ -722,8 +724,14 @@ def netns_cut(trial: Trial, rng: random.Random) -> None:
 
 # etcd and neighbours --------------------------------------------------------------------------
 def etcd_restart(trial: Trial, rng: random.Random) -> None:
-    """SIGKILL etcd and restart it on its data dir; training goes on; then a node dies."""
-    job = trial.job()
+    """SIGKILL etcd and restart it on its data dir; training goes on; then a node dies.
+
+    Runs with the launcher's default lease TTL (5 s). A node fences itself after
+    TTL - 1 s without renewal, by design; on a busy 2-core host etcd takes 1.5-2.5 s
+    to come back healthy (plus up to 0.5 s of gRPC reconnect backoff), which is
+    more than the 2 s a 3 s TTL leaves, so nodes would fence rather than go on.
+    """
+    job = trial.job(lease_ttl=5)
     job.start()
     at = _moment(trial, rng, high=0.35)
     if not job.wait_step(at):
