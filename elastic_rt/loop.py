@@ -253,6 +253,7 @@ class _ElasticLoop:
         destroy_groups(self.groups)
         self.groups = None
         rank, world, token, number = self._place(round_)
+        self.events.rank = rank  # events carry this round's rank, not the first round's
         layout = plan_layout(world, self.limits)
         address = (
             self.follower.store_address(round_, self.reform_timeout)
