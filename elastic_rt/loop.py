@@ -261,8 +261,7 @@ class _ElasticLoop:
             else (self.env.master_addr, self.env.master_port)
         )
         self.store = None  # drop the previous round's store (its server closes with it)
-        self.store = open_round_store(address, is_host=rank == 0, world_size=world,
-                                      timeout=self.reform_timeout)
+        self.store = self._open_store(address, rank, world, number)
         prefix = f"/elastic_rt/{self.env.run_id}/round-{number}/"
         self._wait_for_ranks(self.store, prefix, world, number)
         self.groups = init_groups(self.store, rank=rank, world_size=world, layout=layout,
@@ -275,6 +274,36 @@ class _ElasticLoop:
         if self.follower and round_:
             self.follower.acknowledge(round_)
         self._phase("groups.reformed", began, world_size=world, layout=str(layout))
+
+    def _open_store(self, address: tuple[str, int], rank: int, world: int,
+                    number: int) -> dist.Store:
+        """Host (rank 0) or reach the round's store; leave for a newer round if its host died.
+
+        A client retries its connection for the store's whole timeout. When the
+        round's first node dies before hosting the store, one attempt of
+        ``reform_timeout`` would hold the survivors for minutes after the agents
+        formed the next round, so clients connect in short attempts and look for
+        a newer round between them.
+
+        Raises:
+            _Reform: a newer round exists.
+        """
+        if rank == 0 or self.follower is None:
+            return open_round_store(address, is_host=rank == 0, world_size=world,
+                                    timeout=self.reform_timeout)
+        deadline = time.monotonic() + self.reform_timeout.total_seconds()
+        while True:
+            try:
+                store = open_round_store(address, is_host=False, world_size=world,
+                                         timeout=_STORE_CONNECT_ATTEMPT)
+            except (RuntimeError, dist.DistError):
+                if time.monotonic() > deadline:
+                    raise
+                if self.follower.has_newer_round(number):
+                    raise _Reform() from None
+                continue
+            store.set_timeout(self.reform_timeout)
+            return store
 
     def _wait_for_ranks(self, store: dist.Store, prefix: str, world: int, number: int) -> None:
         """Wait until every rank of the round has reached its store, however slow its start.
@@ -560,6 +589,10 @@ def _all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> N
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+_STORE_CONNECT_ATTEMPT = timedelta(seconds=2)
+"""One attempt to reach a round's store; between attempts a worker looks for a newer round."""
 
 
 def _collective_timeout(env: WorkerEnv) -> timedelta:
