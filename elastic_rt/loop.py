@@ -357,6 +357,7 @@ class _ElasticLoop:
         """No rank holds state: the newest committed checkpoint, else rank 0's init."""
         assert self.state is not None and self.groups is not None
         if self.checkpoint is not None:
+            fresh_optimizer = not self.state.optimizer.state
             state = self._checkpoint_state()
             try:
                 info = self.checkpoint.load(state, process_group=self.groups.world)
@@ -368,6 +369,11 @@ class _ElasticLoop:
                 self.state.extras = dict(info.extra.get("extras", {}))
                 self.progress.step = int(info.extra["step"])
                 return
+            if fresh_optimizer:
+                # get_state_dict() filled the empty optimizer state with a zero-grad step
+                # (Adam's step count 1, so its bias correction would lag one step behind
+                # a run without checkpoints); nothing was loaded, so start fresh again.
+                self.state.optimizer.state.clear()
         synced = broadcast_state(self.state.model.state_dict(), 0, self.groups.world)
         self.state.model.load_state_dict(synced)
         self.progress.step = 0
