@@ -206,7 +206,7 @@ class Agent:
             if isinstance(action, Closed):
                 return self._closed(action.reason)
             if isinstance(action, Propose):
-                self._propose(action)
+                self._propose(action, replaced=snapshot.round)
                 continue
             if isinstance(action, Wait):
                 quorum_since = action.quorum_since
@@ -230,13 +230,15 @@ class Agent:
                 return exit_code
 
     # rounds --------------------------------------------------------------------
-    def _propose(self, action: Propose) -> None:
+    def _propose(self, action: Propose, replaced: Round | None = None) -> None:
         began = time.monotonic()
         self._dirty = True
         written = self.registry.propose(action)
         if written is None:
             return
-        lost = [m for m in (self.running_round.members if self.running_round else ()) if m not in written.members]
+        # From the round it replaces, not self.running_round: a worker failure seen
+        # before the peer's key went has already cleared that, and node.lost was lost.
+        lost = [m for m in (replaced.members if replaced else ()) if m not in written.members]
         for node in lost:
             self.events.emit("node.lost", round=written.number, lost=node)
         self.events.emit(
