@@ -290,6 +290,8 @@ def test_sigkill_of_the_agent_alone_takes_its_workers_within_two_seconds(
     assert codes == {"a": 0, "b": -signal.SIGKILL}, codes
     _assert_finished(job, 1)
     assert _restarts(kv, job.run_id) == 0  # a dead peer is a membership change
+    lost = [e.metadata["lost"] for e in events(job.events_file) if e.name == "node.lost"]
+    assert lost == ["b"]
     job.assert_nothing_left()
 
 
