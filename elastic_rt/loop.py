@@ -250,6 +250,10 @@ class _ElasticLoop:
     # recovery phases --------------------------------------------------------------
     def reform_groups(self, round_: Round | None) -> None:
         began = time.monotonic()
+        # A save in flight uses this round's groups: let it finish (or fail) on every rank
+        # first. Else it breaks on some ranks only, and their next save() raises that error
+        # before the save's first collective, leaving the other ranks waiting in it.
+        self._finish_checkpoint()
         destroy_groups(self.groups)
         self.groups = None
         rank, world, token, number = self._place(round_)
@@ -518,7 +522,8 @@ class _ElasticLoop:
             return
         try:
             self.checkpoint.wait()
-        except (FencedOutError, CheckpointError) as exc:
+        except (FencedOutError, CheckpointError, RuntimeError) as exc:
+            # RuntimeError: a peer died under the write; the previous commit stays the latest.
             logger.warning("last checkpoint not committed: %s", exc)
 
     def _checkpoint_state(self) -> dict[str, Any]:

@@ -25,7 +25,9 @@ Two choices make checkpoints portable between layouts:
 The trainers take the *global* batch and slice their own rows; the loss is a sum over rows
 divided by the global batch size, so the gradient does not depend on how rows are split.
 ``step_share(share, global_batch)`` trains on rows already split out (the elastic loop hands each
-data-parallel rank its share; see ``pipeline_train.py``).
+data-parallel rank its share; see ``pipeline_train.py``). Every collective of a step comes before
+its optimizer update (``is_step_atomic``): a step that raises because a peer died has changed no
+parameter or optimizer state, so an elastic loop may restore other ranks from this one.
 
 Run it (a second run with another worker count resumes from the checkpoint, resharded)::
 
@@ -158,12 +160,15 @@ class Trainer(Protocol):
 class _Trainable:
     """State handling every trainer shares: model + optimizer through DCP's state-dict helpers.
 
+    ``is_step_atomic``: a step that raises has applied no update (see the module docstring).
+
     ``state_dict()`` hands out the live tensors (a checkpoint load fills them in place);
     ``load_state_dict()`` may keep the tensors it is given, so give it a copy you won't reuse.
     """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    is_step_atomic = True
 
     def state_dict(self) -> dict[str, Any]:
         model, optim = get_state_dict(self.model, self.optimizer, options=_STATE_OPTIONS)
@@ -220,9 +225,10 @@ class DDPTrainer(_Trainable):
         loss = loss_fn(self.model(x), y, global_batch)
         # DDP averages gradients over dp; scaling by dp turns that average into the sum we want.
         (loss * self.dp).backward()
+        total = _sum(loss.detach(), self.group)  # before the update: see ``is_step_atomic``
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return _sum(loss.detach(), self.group)
+        return total
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,11 +272,12 @@ class MeshTrainer(_Trainable):
         for inp, out in zip(reversed(inputs), reversed(outputs)):
             self._backward(inp, out)
         self._sum_grads_over_dp()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
         # Only the last stage has a loss, and its tp ranks all hold the same one: count it once.
         mine = sum(o.detach() for o in outputs) if self.is_last and self.coords.tp == 0 else 0.0
-        return _sum(torch.as_tensor(mine), self.groups.world)
+        total = _sum(torch.as_tensor(mine), self.groups.world)  # before the update, as in DDP
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return total
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
