@@ -77,6 +77,7 @@ from elastic_rt.train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
+
 class SteppedModel(Protocol):
     """What ``build`` returns when it owns its step (``run(step=None)``): one rank's piece.
 
