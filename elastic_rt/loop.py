@@ -265,6 +265,8 @@ class _ElasticLoop:
             if self.follower and round_ and round_.number != self.env.round
             else (self.env.master_addr, self.env.master_port)
         )
+        if address is None:
+            raise _Reform()  # the round's first node died before publishing its store
         self.store = None  # drop the previous round's store (its server closes with it)
         self.store = self._open_store(address, rank, world, number)
         prefix = f"/elastic_rt/{self.env.run_id}/round-{number}/"

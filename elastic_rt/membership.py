@@ -98,14 +98,22 @@ class RoundFollower:
             "Check that the agents are alive and can reach etcd.",
         )
 
-    def store_address(self, round_: Round, timeout: timedelta) -> tuple[str, int]:
-        """The ``host:port`` its first node's agent published for the round's store."""
+    def store_address(self, round_: Round, timeout: timedelta) -> tuple[str, int] | None:
+        """The ``host:port`` its first node's agent published for the round's store.
+
+        None when a newer round formed first: the first node died before publishing.
+
+        Raises:
+            RendezvousTimeoutError: neither within ``timeout``.
+        """
         deadline = time.monotonic() + timeout.total_seconds()
         while time.monotonic() < deadline:
             address = self.registry.store_address(round_.number)
             if address:
                 host, _, port = address.rpartition(":")
                 return host, int(port)
+            if self.has_newer_round(round_.number):
+                return None
             time.sleep(0.01)
         raise RendezvousTimeoutError(
             f"no store address for round {round_.number}", "Check that its first node is alive."
