@@ -298,6 +298,8 @@ class Trial:
     dir: Path
     etcd: EtcdServer
     ledger: Ledger
+    index: int = 0
+    """Which trial of its fault this is (faults with variants alternate on it)."""
     jobs: list[Job] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -337,6 +339,8 @@ class TrialResult:
     problems: tuple[str, ...]
     checks: tuple[str, ...]
     skipped: str = ""
+    redone: int = 0
+    """Steps trained again because the state that did them died (work lost, not samples)."""
 
     @property
     def passed(self) -> bool:
@@ -359,7 +363,7 @@ def run_trial(fault: str, index: int, cfg: ChaosConfig, rng: random.Random, root
     ledger = Ledger()
     etcd = EtcdServer(host=FAULTS[fault].etcd_host()).start()
     ledger.add(etcd.pid)  # type: ignore[arg-type]
-    trial = Trial(cfg, trial_dir, etcd, ledger)
+    trial = Trial(cfg, trial_dir, etcd, ledger, index)
     try:
         FAULTS[fault].inject(trial, rng)
         finished = all(job.wait_done(max(1.0, cfg.trial_timeout - (time.monotonic() - began)))
@@ -372,14 +376,14 @@ def run_trial(fault: str, index: int, cfg: ChaosConfig, rng: random.Random, root
         FAULTS[fault].cleanup(trial)
     want = reference.params()
     equal = finished and all(_params_equal(job.out, want) for job in trial.jobs)
-    lost = repeated = damaged = 0
+    lost = repeated = redone = damaged = 0
     for job in trial.jobs:
-        job_lost, job_repeated = audit_steps(job.events(), cfg.steps)
-        lost, repeated = lost + job_lost, repeated + job_repeated
+        job_lost, job_repeated, job_redone = audit_steps(job.events(), cfg.steps)
+        lost, repeated, redone = lost + job_lost, repeated + job_repeated, redone + job_redone
         damaged += _damaged_checkpoints(job)
     orphans = _orphans(trial, etcd)
     result = TrialResult(fault, index, time.monotonic() - began, finished, equal, lost, repeated,
-                         damaged, orphans, tuple(trial.problems), tuple(trial.checks))
+                         damaged, orphans, tuple(trial.problems), tuple(trial.checks), redone=redone)
     if result.passed:
         shutil.rmtree(trial_dir, ignore_errors=True)
     else:
@@ -425,8 +429,8 @@ def _cmdline(proc: psutil.Process) -> list[str]:
 
 
 # audits ----------------------------------------------------------------------------------
-def audit_steps(events: list[Event], steps: int) -> tuple[int, int]:
-    """(steps lost, steps repeated) along the lineage of rank 0's completed steps.
+def audit_steps(events: list[Event], steps: int) -> tuple[int, int, int]:
+    """(steps lost, steps repeated, steps redone) along the lineage of rank 0's steps.
 
     Events are read in file order (appends are atomic, so that is the true order).
     The lineage is a stack: a completed step ``s`` pops every step ``>= s`` — work
@@ -434,11 +438,12 @@ def audit_steps(events: list[Event], steps: int) -> tuple[int, int]:
     did it is gone: its node is not in the round that redoes it, or that node's
     workers were restarted or fenced since. Otherwise the step counts as repeated.
     A gap in the lineage, or a final step short of ``steps``, counts as lost.
+    Legitimately undone steps are counted as redone: work lost, not samples.
     """
     members: dict[int, tuple[str, ...]] = {}
     state_lost_at: dict[str, list[int]] = {}
     lineage: list[tuple[int, int, str]] = []  # (step, event index, node)
-    lost = repeated = 0
+    lost = repeated = redone = 0
     for index, event in enumerate(events):
         if event.name == "round.formed" and event.round is not None:
             members[event.round] = tuple(event.metadata.get("members", ()))
@@ -450,13 +455,15 @@ def audit_steps(events: list[Event], steps: int) -> tuple[int, int]:
             _, done_at, node = lineage.pop()
             gone = node not in members.get(event.round if event.round is not None else -1, (node,))
             restarted = any(done_at < i < index for i in state_lost_at.get(node, ()))
-            if not (gone or restarted):
+            if gone or restarted:
+                redone += 1
+            else:
                 repeated += 1
         expected = lineage[-1][0] + 1 if lineage else 1
         lost += max(0, event.step - expected)
         lineage.append((event.step, index, event.node or ""))
     final = lineage[-1][0] if lineage else 0
-    return lost + max(0, steps - final), repeated
+    return lost + max(0, steps - final), repeated, redone
 
 
 def _params_equal(path: Path, want: dict) -> bool:
@@ -539,11 +546,12 @@ def sigkill_mid_step(trial: Trial, rng: random.Random) -> None:
 
 
 def sigkill_mid_rendezvous(trial: Trial, rng: random.Random) -> None:
-    """Kill during start-up, or kill a second node while the round for the first loss forms."""
+    """Kill during start-up (even trials), or a second node while the round for the first loss
+    forms (odd trials)."""
     job = trial.job()
     job.start()
     first, second = rng.sample("abc", 2)
-    if rng.random() < 0.5:
+    if trial.index % 2 == 0:
         delay = rng.uniform(0.2, 6.0)
         trial.note(f"start-up kill of {first} after {delay:.2f} s")
         time.sleep(delay)
@@ -793,12 +801,12 @@ FAULTS: dict[str, Fault] = {
 def table(results: list[TrialResult]) -> str:
     """One row per fault: the bar is 100 % and zeros."""
     head = ("fault", "trials", "finished", "params=ref", "lost", "repeated", "damaged ckpts",
-            "orphans", "checks")
+            "orphans", "checks", "redone", "max s")
     rows = [head]
     for fault in dict.fromkeys(r.fault for r in results):
         mine = [r for r in results if r.fault == fault]
         if mine[0].skipped:
-            rows.append((fault, "0", "-", "-", "-", "-", "-", "-", mine[0].skipped))
+            rows.append((fault, "0", "-", "-", "-", "-", "-", "-", mine[0].skipped, "-", "-"))
             continue
         n = len(mine)
         checks = [c for r in mine for c in r.checks]
@@ -809,6 +817,7 @@ def table(results: list[TrialResult]) -> str:
             str(sum(r.repeated for r in mine)), str(sum(r.damaged for r in mine)),
             str(sum(r.orphans for r in mine)),
             f"{len(checks) - failed}/{len(checks)} ok" if checks else "-",
+            str(sum(r.redone for r in mine)), f"{max(r.seconds for r in mine):.0f}",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
