@@ -437,18 +437,23 @@ def audit_steps(events: list[Event], steps: int) -> tuple[int, int, int]:
     that was undone by a recovery. Undoing is legitimate only when the state that
     did it is gone: its node is not in the round that redoes it, or that node's
     workers were restarted or fenced since. Otherwise the step counts as repeated.
-    A gap in the lineage, or a final step short of ``steps``, counts as lost.
+    A gap in the lineage, or a final step short of ``steps``, counts as lost,
+    unless another rank completed those steps: a survivor that finished a step
+    rank 0 did not (a collective can end on some ranks only) hands its state on.
     Legitimately undone steps are counted as redone: work lost, not samples.
     """
     members: dict[int, tuple[str, ...]] = {}
     state_lost_at: dict[str, list[int]] = {}
     lineage: list[tuple[int, int, str]] = []  # (step, event index, node)
     lost = repeated = redone = 0
+    done_anywhere: set[int] = set()
     for index, event in enumerate(events):
         if event.name == "round.formed" and event.round is not None:
             members[event.round] = tuple(event.metadata.get("members", ()))
         elif event.name in ("worker.started", "worker.restarted", "agent.fenced"):
             state_lost_at.setdefault(event.node or "", []).append(index)
+        if event.name == "step.completed" and event.step is not None:
+            done_anywhere.add(event.step)
         if event.name != "step.completed" or event.rank != 0 or event.step is None:
             continue
         while lineage and lineage[-1][0] >= event.step:
@@ -460,7 +465,7 @@ def audit_steps(events: list[Event], steps: int) -> tuple[int, int, int]:
             else:
                 repeated += 1
         expected = lineage[-1][0] + 1 if lineage else 1
-        lost += max(0, event.step - expected)
+        lost += sum(s not in done_anywhere for s in range(expected, event.step))
         lineage.append((event.step, index, event.node or ""))
     final = lineage[-1][0] if lineage else 0
     return lost + max(0, steps - final), repeated, redone

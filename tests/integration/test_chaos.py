@@ -72,3 +72,9 @@ def test_audit_flags_a_step_redone_while_its_state_survived() -> None:
 def test_audit_flags_skipped_and_missing_steps_as_lost() -> None:
     log = [_round(0, "a"), _done("a", 0, 1), _done("a", 0, 3)]
     assert chaos.audit_steps(log, 4) == (2, 0, 0)
+
+
+def test_audit_accepts_a_step_only_another_rank_completed_before_handing_its_state_on() -> None:
+    log = [_round(0, "a", "b"), _done("a", 0, 1), _done("b", 0, 1, rank=1),
+           _done("b", 0, 2, rank=1), _round(1, "a", "b"), _done("a", 1, 3)]
+    assert chaos.audit_steps(log, 3) == (0, 0, 0)
