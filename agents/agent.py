@@ -23,7 +23,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from types import FrameType
 from agents.alive import AliveServer, Liveness, probe
 from agents.worker_env import worker_envs
 from agents.workers import WorkerExit, WorkerGroup, WorkerState
+from elastic_rt.childproc import owned_temp_dir
 from elastic_rt.config import (
     AGENT_DIR_ENV,
     ENDPOINT_ENV,
@@ -118,7 +118,7 @@ class Agent:
         self.running_round: Round | None = None
         self.restart_count = 0
         self._ever_ran = False
-        self.agent_dir = tempfile.mkdtemp(prefix=f"elastic-rt-agent-{os.getpid()}-")
+        self.agent_dir = owned_temp_dir("elastic-rt-agent-")
         self._awaiting_ack: tuple[int, float] | None = None
         """(round, deadline) while in-process workers re-form into a new round."""
         self._alarm_seen = 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from elastic_rt.childproc import dying_with_parent
+from elastic_rt.childproc import dying_with_parent, owned_temp_dir
 from elastic_rt.config import ETCD_BIN_ENV
 from elastic_rt.errors import ConfigError, ElasticError
 
@@ -81,28 +81,6 @@ def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
-def _sweep_stale_data_dirs() -> None:
-    """Remove data dirs whose owner PID is gone (left by a SIGKILLed parent)."""
-    root = Path(tempfile.gettempdir())
-    for path in root.glob(f"{_DATA_DIR_PREFIX}*"):
-        try:
-            owner = int(path.name[len(_DATA_DIR_PREFIX) :].split("-")[0])
-        except ValueError:
-            continue
-        if owner != os.getpid() and not _pid_alive(owner):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass
 class EtcdServer:
     """One etcd process on 127.0.0.1.
@@ -152,8 +130,7 @@ class EtcdServer:
         if self._peer_port == 0:
             self._peer_port = free_port(self.host)
         if self.data_dir is None:
-            _sweep_stale_data_dirs()
-            self.data_dir = tempfile.mkdtemp(prefix=f"{_DATA_DIR_PREFIX}{os.getpid()}-")
+            self.data_dir = owned_temp_dir(_DATA_DIR_PREFIX)
             self._owns_data_dir = True
         self._spawn(binary)
         self._wait_healthy(timeout)

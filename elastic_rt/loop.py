@@ -207,6 +207,7 @@ class _ElasticLoop:
             checkpoint.bind(
                 pointer=FencedPointer(self.follower.registry, checkpoint.url, self._token),
                 events=self.events,
+                collective_timeout=self.collective_timeout,
             )
 
     def _token(self) -> int:

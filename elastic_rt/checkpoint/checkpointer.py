@@ -208,14 +208,18 @@ class Checkpointer:
         committed = set(committed_names(dirs, self._pointer_name()))
         return [self._info(d, d.name in committed) for d in dirs]
 
-    def bind(self, *, pointer: PointerStore | None = None, events: EventSink | None = None) -> None:
-        """Attach the run's fenced pointer and event sink.
+    def bind(self, *, pointer: PointerStore | None = None, events: EventSink | None = None,
+             collective_timeout: timedelta | None = None) -> None:
+        """Attach the run's fenced pointer, event sink and collective timeout.
 
         The elastic loop calls this: the user builds the Checkpointer before any
-        round exists, and only the loop knows the round whose token fences commits.
+        round exists, and only the loop knows the round whose token fences commits
+        and how long a save may wait for a peer that might be dead.
         """
         self._pointer = pointer or self._pointer
         self._events = events or self._events
+        if collective_timeout is not None:
+            self._timeout = collective_timeout
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error) and stop the writer thread."""
