@@ -273,7 +273,8 @@ class _ElasticLoop:
         prefix = f"/elastic_rt/{self.env.run_id}/round-{number}/"
         self._wait_for_ranks(self.store, prefix, world, number)
         self.groups = init_groups(self.store, rank=rank, world_size=world, layout=layout,
-                                  prefix=prefix, timeout=self.collective_timeout)
+                                  prefix=prefix, timeout=self.collective_timeout,
+                                  join_timeout=max(self.collective_timeout, self.reform_timeout))
         self.ctx = Context(rank=rank, world_size=world, local_rank=self.env.local_rank,
                            node_id=self.env.node_id, round=number, token=token, layout=layout,
                            groups=self.groups)

@@ -31,8 +31,6 @@ from elastic_rt.layout import AXES, Layout
 
 logger = logging.getLogger(__name__)
 
-_JOIN_TIMEOUT = timedelta(minutes=2)
-
 
 @dataclass(frozen=True)
 class Groups:
@@ -77,6 +75,7 @@ def init_groups(
     prefix: str,
     timeout: timedelta,
     backend: str | None = None,
+    join_timeout: timedelta | None = None,
 ) -> Groups:
     """Create this round's world group, one group per mesh axis, and the mesh. Collective.
 
@@ -91,6 +90,8 @@ def init_groups(
         prefix: a key prefix unique to the round, e.g. ``/elastic_rt/<run_id>/round-<k>/``.
         timeout: how long any collective (including this set-up) waits for a peer.
         backend: ``"gloo"`` or ``"nccl"``; :func:`pick_backend` when ``None``.
+        join_timeout: how long the world group (and its collectives) wait; ``timeout``
+            when ``None``. Longer for a round that waits on a new node still starting.
 
     Raises:
         ValueError: ``world_size`` does not match the layout, or ``rank`` is out of range.
@@ -103,7 +104,7 @@ def init_groups(
         raise RuntimeError("process groups exist already; destroy_groups() the last round's first")
     backend = backend or pick_backend()
     try:
-        groups = _create(store, rank, layout, prefix, timeout, backend)
+        groups = _create(store, rank, layout, prefix, timeout, join_timeout or timeout, backend)
     except BaseException:
         # A half-made round (a peer never came) must not block the next attempt.
         destroy_groups(None)
@@ -114,13 +115,13 @@ def init_groups(
 
 
 def _create(store: dist.Store, rank: int, layout: Layout, prefix: str, timeout: timedelta,
-            backend: str) -> Groups:
+            join_timeout: timedelta, backend: str) -> Groups:
     # Joining waits for the slowest rank of the round, e.g. a new node's workers still
     # importing torch, which can take far longer than any collective should; so the
-    # world group waits generously while the per-axis groups, which carry the
-    # training collectives, keep the short ``timeout`` that frees survivors of a hung peer.
+    # world group may wait longer while the per-axis groups, which carry the training
+    # collectives, keep the short ``timeout`` that frees survivors of a hung peer.
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
-                            world_size=layout.world_size, timeout=max(timeout, _JOIN_TIMEOUT))
+                            world_size=layout.world_size, timeout=join_timeout)
     mine = {axis: _axis_group(layout, axis, rank, timeout, backend) for axis in AXES}
     mesh = DeviceMesh.from_group(
         [mine[axis] for axis in AXES],
