@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -113,7 +114,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     print(f"overhead benchmark: 1 node x 2 gloo workers (OMP_NUM_THREADS=1), Linear({args.width}, 64)"
           f"-Tanh-Linear(64, 1), global batch {args.global_batch}, {args.steps} steps, first "
-          f"{args.warmup} skipped, {args.repeats} alternating runs each; logs in {work}", flush=True)
+          f"{args.warmup} skipped, {args.repeats} alternating runs each; load average {os.getloadavg()[0]:.1f}; logs in {work}", flush=True)
     results: dict[str, list[float]] = {"elastic-rt": [], "torchrun+DDP": []}
     try:
         with interruptible(), EtcdServer() as etcd:

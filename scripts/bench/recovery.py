@@ -34,7 +34,11 @@ torchrun's c10d rendezvous store lives in the agent of the node that hosts it
 (``is_host=true``, node a here); killing that node ends the job for everyone, so
 torchrun can only survive losing another node, and node c is the victim in every
 case. torchrun needs ``--max-restarts`` > 0 to survive anything (its default is 0):
-the survivors' workers fail when a peer dies and count as a restart; 3 is used.
+the survivors' workers fail when a peer dies and count as a restart. 3 is used
+(``--torchrun-max-restarts``). On this machine torchrun's first restarted workers
+often fail gloo's ``connectFullMesh`` (connection refused) and need 2-3 restarts
+before the survivors train again; with short rendezvous timeouts the job often
+never recovers (a trial then reports a timeout; 10 restarts did not help).
 
 Both scripts build Linear(64, 64)-Tanh-Linear(64, 1) on 16 samples per rank (48
 per step) and sleep ``--step-time`` per step (simulated compute).
@@ -47,6 +51,7 @@ Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import sys
@@ -177,7 +182,8 @@ class Job:
         monitor = self.args.torchrun_fast_monitor if self.case.rdzv_conf else 0.1
         return [PYTHON, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.store_port}",
-                "--rdzv-id", self.run_id, "--rdzv-conf", ",".join(conf), "--max-restarts", "3",
+                "--rdzv-id", self.run_id, "--rdzv-conf", ",".join(conf),
+                "--max-restarts", str(self.args.torchrun_max_restarts),
                 "--monitor-interval", str(monitor), "--local-addr", "127.0.0.1", *self._script()]
 
     def _env(self) -> dict[str, str]:
@@ -312,6 +318,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--torchrun-fast-conf", default=FAST_CONF, help="--rdzv-conf of torchrun-fast")
     p.add_argument("--torchrun-fast-monitor", type=float, default=FAST_MONITOR,
                    help="--monitor-interval of torchrun-fast")
+    p.add_argument("--torchrun-max-restarts", type=int, default=3,
+                   help="torchrun --max-restarts (its default 0 survives nothing)")
     p.add_argument("--start-timeout", type=float, default=120)
     p.add_argument("--recover-timeout", type=float, default=150)
     p.add_argument("--keep", action="store_true", help="keep logs and outputs")
@@ -331,7 +339,7 @@ def main() -> int:
     print(f"recovery benchmark: 3 nodes x 1 gloo worker, fault on node {VICTIM} at step "
           f"{args.kill_step}, step time {args.step_time} s, checkpoint every {args.ckpt_every} "
           f"steps, elastic-rt --lease-ttl {args.lease_ttl}, torchrun-fast --rdzv-conf "
-          f"{args.torchrun_fast_conf} --monitor-interval {args.torchrun_fast_monitor}; logs in {root}",
+          f"{args.torchrun_fast_conf} --monitor-interval {args.torchrun_fast_monitor}; load average {os.getloadavg()[0]:.1f}; logs in {root}",
           flush=True)
     etcd = None
     results: dict[str, list[Trial]] = {}
