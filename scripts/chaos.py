@@ -177,9 +177,10 @@ class Job:
 
     def __init__(self, trial: "Trial", run_id: str, *, nnodes: str = "1:3",
                  checkpoint: bool = False, endpoint: str | None = None,
-                 lease_ttl: int | None = None) -> None:
+                 lease_ttl: int | None = None, step_time: float | None = None) -> None:
         self.trial, self.run_id, self.nnodes = trial, run_id, nnodes
         self.lease_ttl = lease_ttl or trial.cfg.lease_ttl
+        self.step_time = trial.cfg.step_time if step_time is None else step_time
         self.dir = trial.dir / run_id
         self.dir.mkdir(parents=True)
         self.out = self.dir / "params.pt"
@@ -200,7 +201,7 @@ class Job:
             "--lease-ttl", str(self.lease_ttl), "--last-call", "5", "--max-restarts", "5",
             *(("--local-addr", host) if host else ()),
             SCRIPT, "--steps", str(cfg.steps), "--out", str(self.out),
-            "--step-time", str(cfg.step_time),
+            "--step-time", str(self.step_time),
         ]  # fmt: skip
         if self.ckpt_dir is not None:
             args += ["--checkpoint", f"file://{self.ckpt_dir}", "--every", str(cfg.every)]
@@ -744,9 +745,10 @@ def etcd_restart(trial: Trial, rng: random.Random) -> None:
     to come back healthy (plus up to 0.5 s of gRPC reconnect backoff), which is
     more than the 2 s a 3 s TTL leaves, so nodes would fence rather than go on.
     """
-    job = trial.job(lease_ttl=5)
+    # Slower steps: training must outlast etcd's restart for a membership change to follow.
+    job = trial.job(lease_ttl=5, step_time=0.25)
     job.start()
-    at = _moment(trial, rng, low=0.1, high=0.25)
+    at = _moment(trial, rng, low=0.1, high=0.2)
     if not job.wait_step(at):
         return
     down = rng.uniform(0.0, 1.0)
@@ -758,7 +760,7 @@ def etcd_restart(trial: Trial, rng: random.Random) -> None:
     trial.ledger.add(trial.etcd.pid)  # type: ignore[arg-type]
     # Training runs on while etcd is away, so the membership change comes at once.
     live = job.live()
-    if not live:
+    if not live or job.step() > trial.cfg.steps - 3:
         trial.problem("the job ended before a membership change could follow the restart")
         return
     round_before = job.round()
