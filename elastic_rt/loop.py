@@ -228,6 +228,7 @@ class _ElasticLoop:
                     logger.info("newer round pending; re-forming at step %d", self.progress.step)
                 except (RuntimeError, dist.DistError) as exc:
                     self.on_failure(round_, exc)
+                    self._release_groups()
                 if self.follower is None:
                     raise ElasticError("a collective failed outside elastic-rt launch; cannot recover")
                 round_ = self.wait_for_round(round_)
@@ -256,8 +257,7 @@ class _ElasticLoop:
         # first. Else it breaks on some ranks only, and their next save() raises that error
         # before the save's first collective, leaving the other ranks waiting in it.
         self._finish_checkpoint()
-        destroy_groups(self.groups)
-        self.groups = None
+        self._release_groups()
         rank, world, token, number = self._place(round_)
         self.events.rank = rank  # events carry this round's rank, not the first round's
         layout = plan_layout(world, self.limits)
@@ -556,6 +556,18 @@ class _ElasticLoop:
         )  # fmt: skip
 
     # helpers ------------------------------------------------------------------------
+    def _release_groups(self) -> None:
+        """Destroy this round's groups and drop every reference to them, at once.
+
+        A peer blocked receiving from us is only freed when our sockets close, and
+        gloo closes them when the last reference to the group goes; a context still
+        holding the groups kept a survivor's peers waiting out their full timeout.
+        """
+        self.ctx = None
+        set_context(None)
+        destroy_groups(self.groups)
+        self.groups = None
+
     def _is_step_atomic(self) -> bool:
         """Whether a step that raises leaves the state as the last committed step left it.
 
