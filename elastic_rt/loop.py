@@ -39,6 +39,7 @@ after it are done again (work lost <= the checkpoint interval).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -624,14 +625,16 @@ _STORE_CONNECT_ATTEMPT = timedelta(seconds=2)
 
 
 def _collective_timeout(env: WorkerEnv) -> timedelta:
-    """How long a collective may wait for a peer: past the lease TTL by a margin.
+    """How long a training collective may wait for a peer: the lease TTL plus 0.5 s.
 
     A hung peer keeps its sockets open, so only a timeout frees the survivors; by
-    then its lease has expired and the agents have formed the next round.
+    then its lease (last renewed before it hung) has expired and the agents have
+    formed the next round, so the survivors re-form at once. A merely slow peer costs a re-form round, not the
+    job: the agents find every node answering and re-form the same members.
+    Joining a round has its own, longer timeout (a new node may still be starting).
+    Override with ``ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC``.
     """
-    import os
-
     explicit = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
     if explicit:
         return timedelta(seconds=float(explicit))
-    return max(env.lease_ttl * 2, timedelta(seconds=10))
+    return env.lease_ttl + timedelta(seconds=0.5)

@@ -187,10 +187,8 @@ class Job:
                 "--monitor-interval", str(monitor), "--local-addr", "127.0.0.1", *self._script()]
 
     def _env(self) -> dict[str, str]:
-        extra = {}
-        if self.case.fault == "node-hang":
-            extra["ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC"] = str(self.args.lease_ttl + 1)
-        return env_with_repo(**extra)
+        # elastic-rt's defaults throughout: the collective timeout follows the lease TTL.
+        return env_with_repo()
 
     def poll(self) -> list[Row]:
         new = _rows(self.case, self.tail)
