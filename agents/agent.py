@@ -124,6 +124,7 @@ class Agent:
         self._alarm_seen = 0
         self._dirty = True
         self._last_read = 0.0
+        self._last_wait_report = 0.0
 
     # entry point ---------------------------------------------------------------
     def run(self) -> int:
@@ -219,6 +220,7 @@ class Agent:
                             f"{rdzv.run_id!r} within {rdzv.join_timeout.total_seconds():.0f} s",
                             "Start more nodes, lower --nnodes MIN, or raise --join-timeout.",
                         )
+                self._report_waiting(action.reason, started)
                 self._sleep(0.5)
                 continue
             if snapshot.alarm and snapshot.alarm[1] > self._alarm_seen:
@@ -498,6 +500,13 @@ class Agent:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+
+    def _report_waiting(self, reason: str, since: float) -> None:
+        """Show that a long rendezvous wait is alive: one line every 5 s, with its reason."""
+        now = time.monotonic()
+        if now - self._last_wait_report >= 5.0:
+            self._last_wait_report = now
+            logger.info("waiting for a round (%s) for %.0f s", reason, now - since)
 
     def _store_changed(self) -> None:
         self._dirty = True
