@@ -30,12 +30,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except UserError as exc:
         print(f"elastic-rt: error: {exc.one_line()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    if args.command == "launch":
+        # The agent has stopped its workers, left the rendezvous and closed etcd; all that
+        # is left is interpreter teardown, where gRPC's channel finalizers have been seen to
+        # hang on a lock a dead watch thread held. A launcher must exit with its code.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -111,7 +111,16 @@ class EtcdKV:
         # single endpoint that turns an etcd restart of a second into five minutes of
         # errors, so time_retry=0 lets gRPC reconnect on the next call instead.
         creds = _channel_credentials(self._auth) if secure else None
-        node = etcd3.Endpoint(host, int(port), secure=secure, creds=creds, time_retry=0)
+        # gRPC backs off up to seconds between reconnects; after an etcd restart that
+        # delay alone could outlast a short lease, so reconnect within half a second.
+        reconnect = {
+            "grpc.initial_reconnect_backoff_ms": 100,
+            "grpc.min_reconnect_backoff_ms": 100,
+            "grpc.max_reconnect_backoff_ms": 500,
+        }
+        node = etcd3.Endpoint(
+            host, int(port), secure=secure, creds=creds, time_retry=0, opts=list(reconnect.items())
+        )
         self._client = etcd3.MultiEndpointEtcd3Client(endpoints=[node], timeout=timeout)
         if self._needs_login:
             try:
