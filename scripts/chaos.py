@@ -745,8 +745,9 @@ def etcd_restart(trial: Trial, rng: random.Random) -> None:
     to come back healthy (plus up to 0.5 s of gRPC reconnect backoff), which is
     more than the 2 s a 3 s TTL leaves, so nodes would fence rather than go on.
     """
-    # Slower steps: training must outlast etcd's restart for a membership change to follow.
-    job = trial.job(lease_ttl=5, step_time=0.25)
+    # Slower steps: training must outlast etcd's restart (seconds on a loaded 2-core host,
+    # health check included) for a membership change to follow.
+    job = trial.job(lease_ttl=5, step_time=0.5)
     job.start()
     at = _moment(trial, rng, low=0.1, high=0.2)
     if not job.wait_step(at):
