@@ -25,10 +25,11 @@ import io
 import logging
 import os
 import threading
+import time
 import warnings
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -70,9 +71,10 @@ _CHUNK = 8 << 20
 class _ChecksumStream(io.RawIOBase):
     """Write-through stream that keeps the size and CRC-32 of what was written."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, on_write: Callable[[int], None]) -> None:
         super().__init__()
         self.inner = inner
+        self.on_write = on_write
         self.size = 0
         self.crc = 0
 
@@ -84,6 +86,7 @@ class _ChecksumStream(io.RawIOBase):
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
         self.inner.write(view)
+        self.on_write(len(view))
         return len(view)
 
     def tell(self) -> int:
@@ -103,7 +106,13 @@ class _ChecksumFileSystem(FileSystem):
         super().__init__()
         self.fs = fs
         self.records: dict[str, FileEntry] = {}
+        self.written = 0
+        """Bytes written so far, for progress reports."""
         self._lock = threading.Lock()
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.written += nbytes
 
     def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
         return path
@@ -115,7 +124,7 @@ class _ChecksumFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            stream = _ChecksumStream(raw)
+            stream = _ChecksumStream(raw, self._count)
             yield stream
         entry = FileEntry(os.path.basename(path), stream.size, f"{stream.crc:08x}")
         with self._lock:
@@ -306,11 +315,33 @@ def write_shards(tensors: dict[str, torch.Tensor], storage: FsspecStorage, name:
         ElasticError: on every rank if any rank failed (DCP gathers failures).
     """
     writer = ChecksummingWriter(storage, name)
-    with _unwrapped(storage.url_of(name)):
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with _unwrapped(storage.url_of(name)), _progress(writer.fs, storage.url_of(name), total):
         dcp.save(tensors, storage_writer=writer, process_group=group,
                  planner=DefaultSavePlanner(flatten_state_dict=False),
                  no_dist=group is None and not _dist_ready())
     return writer.records
+
+
+@contextlib.contextmanager
+def _progress(fs: _ChecksumFileSystem, url: str, total: int,
+              every: float = 5.0) -> Iterator[None]:
+    """Log how far a long write has got, every ``every`` seconds (an upload can take minutes)."""
+    done = threading.Event()
+    began = time.monotonic()
+
+    def report() -> None:
+        while not done.wait(every):
+            logger.info("writing checkpoint %s: %.1f of %.1f MB after %.0f s", url,
+                        fs.written / 1e6, total / 1e6, time.monotonic() - began)
+
+    thread = threading.Thread(target=report, name="ckpt-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def read_shards(tensors: dict[str, torch.Tensor], storage: FsspecStorage, manifest: Manifest,
