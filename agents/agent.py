@@ -17,6 +17,7 @@ or SIGINT makes a graceful leave: workers stopped, lease revoked, peers re-form.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,12 @@ from elastic_rt.config import (
     ENDPOINT_ENV,
     EVENTS_FILE_ENV,
     LEASE_TTL_ENV,
+    LOCAL_RANK_ENV,
+    LOCAL_WORLD_SIZE_ENV,
+    NODE_ID_ENV,
+    RESTART_COUNT_ENV,
+    ROUND_ENV,
+    RUN_ID_ENV,
     RendezvousConfig,
 )
 from elastic_rt.errors import (
@@ -125,6 +132,8 @@ class Agent:
         self._dirty = True
         self._last_read = 0.0
         self._last_wait_report = 0.0
+        self._standby = False
+        """True while replacement in-process workers wait, outside any round, to be admitted."""
 
     # entry point ---------------------------------------------------------------
     def run(self) -> int:
@@ -211,7 +220,7 @@ class Agent:
                 continue
             if isinstance(action, Wait):
                 quorum_since = action.quorum_since
-                if action.stop_workers or self.running_round is not None:
+                if (action.stop_workers or self.running_round is not None) and not self._standby:
                     self._stop_workers(f"waiting: {action.reason}")
                 if not self._ever_ran:
                     if time.monotonic() - started > rdzv.join_timeout.total_seconds():
@@ -262,6 +271,10 @@ class Agent:
                 self._propose(restart_round(round_, f"{self.info.node_id} rejoined", _now_ms()))
                 return None
         if self.running_round is None or self.running_round.number != round_.number:
+            state, exits = self.workers.poll()
+            if self.running_round is not None and state is WorkerState.FAILED:
+                # Our own worker died as the round changed: a failure, not a re-form.
+                return self._workers_failed(self.running_round, exits)
             self._start_round(round_)
             return None
         state, exits = self.workers.poll()
@@ -279,6 +292,7 @@ class Agent:
             # In-process workers re-form by themselves; we only host the store address.
             if self._agree_on_store(round_) is not None:
                 self.running_round = round_
+                self._standby = False
                 deadline = time.monotonic() + self.config.reform_timeout.total_seconds()
                 self._awaiting_ack = (round_.number, deadline)
             return
@@ -329,6 +343,9 @@ class Agent:
             current = self.registry.current_round()
             if current is None or current.number != round_.number:
                 return None
+            if round_.members[0] not in self.registry.nodes():
+                # Its host left before publishing: back to the loop, which re-forms without it.
+                return None
             self._sleep(0.05)
         logger.warning("no store address for round %d; waiting for the next round", round_.number)
         return None
@@ -344,6 +361,11 @@ class Agent:
             acks.append(ack if ack and ack.get("pid") == pid else None)
         return acks
 
+    def _acks_in_process(self) -> bool:
+        """Every local worker (alive or not) has announced in-process recovery."""
+        acks = self._acks()
+        return bool(acks) and all(a is not None and a.get("in_process") for a in acks)
+
     def _workers_follow_rounds(self) -> bool:
         """True when every local worker is alive and has told us it recovers in-process.
 
@@ -353,8 +375,7 @@ class Agent:
         """
         if self.workers.poll()[0] is not WorkerState.RUNNING:
             return False
-        acks = self._acks()
-        return bool(acks) and all(a is not None and a.get("in_process") for a in acks)
+        return self._acks_in_process()
 
     def _check_acks(self) -> None:
         assert self._awaiting_ack is not None
@@ -376,8 +397,8 @@ class Agent:
         dead, unsure = self._probe_peers(round_)
         if dead:
             return True
-        if unsure:
-            return False
+        if unsure or self.workers.poll()[0] is WorkerState.FAILED:
+            return False  # hung peer: its lease decides; our own dead worker: handled next
         self._propose(restart_round(round_, "a collective failed; all nodes answer", _now_ms()))
         return True
 
@@ -407,15 +428,17 @@ class Agent:
         failed = [e for e in exits if e.exitcode != 0]
         for e in failed:
             self.events.emit("worker.failed", round=round_.number, local_rank=e.local_rank, pid=e.pid, exitcode=e.exitcode)
+        in_process = self._acks_in_process()
         self._stop_workers("a worker failed")
         snapshot = self.registry.snapshot()
         if snapshot.completing:
             reason = f"failed: a worker exited with {failed[0].exitcode} while the job was finishing"
             self.registry.close(reason)
             return self._closed(reason)
-        if snapshot.round is None or snapshot.round.number != round_.number:
-            return None
-        if self._probe_peers(round_)[0]:
+        round_changed = snapshot.round is None or snapshot.round.number != round_.number
+        if round_changed and not in_process:
+            return None  # a membership change took our workers down: free, and handled
+        if not round_changed and self._probe_peers(round_)[0]:
             return None
         first = failed[0]
         what = f"worker {first.local_rank} on {self.info.node_id} exited with {first.exitcode}"
@@ -427,8 +450,52 @@ class Agent:
             reason = f"failed: {what}; the restart budget of {self.config.max_restarts} is spent"
             self.registry.close(reason)
             return self._closed(reason)
-        self._propose(restart_round(round_, f"{what} (restart {count}/{self.config.max_restarts})", _now_ms()))
+        why = f"{what} (restart {count}/{self.config.max_restarts})"
+        current = snapshot.round or round_
+        if in_process and len(current.members) > self.config.rendezvous.min_nodes:
+            self._restart_in_standby(current, why)
+            return None
+        if not round_changed:
+            self._propose(restart_round(round_, why, _now_ms()))
         return None
+
+    def _restart_in_standby(self, round_: Round, why: str) -> None:
+        """Step out while a failed in-process worker is replaced, then ask to be let back in.
+
+        A restart round with the same members would make the survivors wait for the
+        replacement to start (seconds of importing torch). Instead the lease goes at
+        once, so the survivors re-form without this node in-process; the replacements
+        start outside any round, announce themselves once imported, and only then
+        does the node register again and get admitted at a step boundary.
+        """
+        self.keeper.stop(revoke=True)
+        self.events.emit("node.left", round=round_.number, reason=why)
+        self.restart_count += 1
+        envs = [
+            {**os.environ, **self._extras(), NODE_ID_ENV: self.info.node_id,
+             RUN_ID_ENV: self.registry.run_id, ROUND_ENV: "-1", LOCAL_RANK_ENV: str(i),
+             LOCAL_WORLD_SIZE_ENV: str(self.info.nproc), RESTART_COUNT_ENV: str(self.restart_count)}
+            for i in range(self.info.nproc)
+        ]  # fmt: skip
+        pids = self.workers.start(self.config.command, envs)
+        self.events.emit("worker.restarted", pids=pids, restart_count=self.restart_count, standby=True)
+        deadline = time.monotonic() + self.config.reform_timeout.total_seconds()
+        while time.monotonic() < deadline and self._leave_signal is None:
+            if self.workers.poll()[0] is not WorkerState.RUNNING or self._acks_in_process():
+                break
+            self._sleep(0.1)
+        self.keeper = LeaseKeeper(
+            self.registry, self.info, int(self.config.rendezvous.lease_ttl.total_seconds()),
+            on_fenced=self._fence,
+        )
+        self.keeper.start()
+        if self._acks_in_process():
+            # Belong to no round yet: the round that admits us (even the current one, if it
+            # still lists us) then goes through _start_round and gets its store published.
+            self.running_round = dataclasses.replace(round_, number=-1)
+            self._standby = True
+        else:
+            self._stop_workers("replacement workers did not start in time")
 
     def _probe_peers(self, round_: Round) -> tuple[list[str], list[str]]:
         """Probe every other member; evict those whose agent is certainly gone.
@@ -518,7 +585,7 @@ class Agent:
         Checking local workers every monitor interval costs nothing; reading the
         whole run from etcd that often would, for every node of a large job.
         """
-        if self._dirty or self.running_round is None or self._awaiting_ack:
+        if self._dirty or self.running_round is None or self._awaiting_ack or self._standby:
             self._dirty = False
             return True
         return time.monotonic() - self._last_read >= 1.0

@@ -194,6 +194,10 @@ class _ElasticLoop:
                                 node=self.env.node_id, rank=self.env.rank)
         self.follower = RoundFollower(self.env) if self.env.is_elastic else None
         if self.follower is not None:
+            # Building an optimizer imports torch._dynamo (1.5 s and more); do it before we
+            # tell the agent we are ready, so that no round waits on it.
+            import torch._dynamo  # noqa: F401
+
             # Tell the agent at once that we recover in-process, so that a round formed
             # while we are still starting does not make it restart us.
             self.follower.announce()

@@ -63,11 +63,13 @@ class RoundFollower:
             return self._newest > than
 
     def current(self) -> Round:
-        """The round the agent started us in (read once at start)."""
-        deadline = time.monotonic() + 30
+        """The round the agent started us in; for a replacement started outside any
+        round (``ELASTIC_RT_ROUND=-1``), the first round that admits this node."""
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             current = self.registry.current_round()
-            if current is not None and current.number >= self.env.round:
+            if (current is not None and current.number >= self.env.round
+                    and self.env.node_id in current.members):
                 return current
             self._changed.wait(0.2)
         raise RendezvousTimeoutError(f"round {self.env.round} not found in etcd", "Restart the job.")
