@@ -12,9 +12,11 @@ calls each node sends to its store in that window, counted by a wrapper:
   state. Not counted: the 2 calls per node that share the bootstrap store address
   after the round (``RendezvousStoreInfo``).
 
-Two elastic-rt loops are measured: ``shipped`` is the agent's (wake on any write
-under the run's prefix, a full snapshot every 0.1 s while in a round) and
-``proposed`` wakes only on round changes and re-reads every 1 s while in a round.
+Two elastic-rt loops are measured: ``agent`` is what agents/agent.py does (wake
+only on writes that change a decision — for forming a round, the round key — and
+re-read at most once a second while in a round); ``any-write`` is the first
+design, kept for comparison (wake on any write under the run's prefix, a full
+snapshot every 0.1 s in a round), which was O(N^2) reads per round.
 
 Run:  python scripts/bench/rendezvous.py [--nodes 32 64 128] [--repeats 3]
 """
@@ -40,8 +42,8 @@ from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.testing import OpCounter, form_round
 
 LOOPS = {
-    "shipped": {},
-    "proposed": {"wake_on": "round", "member_poll": 1.0},
+    "agent": {"wake_on": "round", "member_poll": 1.0},
+    "any-write": {},
 }
 
 
