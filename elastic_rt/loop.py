@@ -629,11 +629,12 @@ _STORE_CONNECT_ATTEMPT = timedelta(seconds=2)
 
 
 def _collective_timeout(env: WorkerEnv) -> timedelta:
-    """How long a training collective may wait for a peer: the lease TTL plus 0.5 s.
+    """How long a training collective may wait for a peer: the lease TTL.
 
     A hung peer keeps its sockets open, so only a timeout frees the survivors; by
-    then its lease (last renewed before it hung) has expired and the agents have
-    formed the next round, so the survivors re-form at once. A merely slow peer costs a re-form round, not the
+    then its lease (last renewed before it hung, so expiring at most a TTL after)
+    has expired and the agents form the next round; a survivor that times out a
+    moment early simply waits for that round. A merely slow peer costs a re-form round, not the
     job: the agents find every node answering and re-form the same members.
     Joining a round has its own, longer timeout (a new node may still be starting).
     Override with ``ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC``.
@@ -641,4 +642,4 @@ def _collective_timeout(env: WorkerEnv) -> timedelta:
     explicit = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
     if explicit:
         return timedelta(seconds=float(explicit))
-    return env.lease_ttl + timedelta(seconds=0.5)
+    return env.lease_ttl
