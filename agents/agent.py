@@ -275,6 +275,8 @@ class Agent:
             if self.running_round is not None and state is WorkerState.FAILED:
                 # Our own worker died as the round changed: a failure, not a re-form.
                 return self._workers_failed(self.running_round, exits)
+            if self.running_round is not None and state is WorkerState.SUCCEEDED:
+                return self._succeeded()  # done as a node was admitted: never restart them
             self._start_round(round_)
             return None
         state, exits = self.workers.poll()

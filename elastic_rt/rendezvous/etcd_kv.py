@@ -196,7 +196,7 @@ class EtcdKV:
                 f"Pass --etcd-user with {ETCD_PASSWORD_ENV}, or a client certificate "
                 f"({_SECURITY_GUIDE}).",
             )
-        if "Socket closed" in details:
+        if "Socket closed" in details or "Handshake read failed" in details:
             # What a TLS/plaintext mismatch looks like; an etcd restart shows it briefly too.
             short += (
                 " (does etcd serve TLS there? We speak TLS)"
