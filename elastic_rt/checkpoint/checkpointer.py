@@ -32,9 +32,11 @@ import torch.distributed as dist
 from elastic_rt.checkpoint import coordination as coord
 from elastic_rt.checkpoint.async_save import BackgroundWriter, Stager
 from elastic_rt.checkpoint.manifest import (
+    MANIFEST_FILE,
     DirState,
     FileEntry,
     Manifest,
+    candidates,
     committed_names,
     names_to_remove,
     parse_step,
@@ -183,24 +185,31 @@ class Checkpointer:
         group = self._side_group(process_group)
         flat, local = coord.agree(lambda: (flatten(state), self._candidates(name, group)), group,
                                   "listing checkpoints")
-        candidates = coord.broadcast(local, group)
-        if not candidates:
-            raise CheckpointNotFoundError(f"no committed checkpoint at {self.url}"
-                                          + (f" named {name}" if name else ""))
+        names, pointer = coord.broadcast(local, group)
         failed: list[str] = []
-        for candidate in candidates:
+        last_error: CorruptShardError | None = None
+        for candidate in names:
             try:
                 info = self._load_one(candidate, flat, group)
+                if info is None and candidate == pointer:
+                    raise CorruptShardError(f"the committed checkpoint {candidate} has lost its "
+                                            "manifest")
             except CorruptShardError as exc:
-                if name is not None or candidate == candidates[-1]:
+                if name is not None:
                     raise
                 logger.warning("checkpoint %s is corrupt (%s); falling back to an older one",
                                candidate, exc)
                 failed.append(candidate)
+                last_error = exc
                 continue
+            if info is None:
+                continue  # no manifest: a save that never committed, not a checkpoint
             self._emit("checkpoint.restored", info.step, checkpoint=info.name, fallback_from=failed)
             return info
-        raise AssertionError("unreachable")
+        if last_error is not None:
+            raise last_error  # every committed checkpoint is damaged; this is the oldest
+        raise CheckpointNotFoundError(f"no committed checkpoint at {self.url}"
+                                      + (f" named {name}" if name else ""))
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint folder, committed or partial, oldest first."""
@@ -249,7 +258,7 @@ class Checkpointer:
         if coord.rank_of(group) == 0:
             self._emit("checkpoint.committed", step, checkpoint=name, nbytes=info.nbytes,
                        blocking_ms=round(blocking_s * 1000, 1), write_ms=round(write_s * 1000, 1))
-            self._retain(in_flight={name})
+            self._retain(committed=name)
         return info
 
     def _commit(self, manifest: Manifest, group: Any) -> None:
@@ -259,10 +268,13 @@ class Checkpointer:
         if self._pointer is not None:
             self._pointer.commit(manifest.name)
 
-    def _retain(self, in_flight: set[str]) -> None:
+    def _retain(self, committed: str) -> None:
+        def has_manifest(name: str) -> bool:
+            return name == committed or self._storage.exists(f"{name}/{MANIFEST_FILE}")
+
         try:
-            doomed = names_to_remove(scan(self._storage), self._pointer_name(), self.keep,
-                                     in_flight)
+            doomed = names_to_remove(self._storage.list_dirs(), self._pointer_name(), self.keep,
+                                     {committed}, has_manifest)
             for name in doomed:
                 logger.info("retention removes %s", self._storage.url_of(name))
                 self._storage.remove_tree(name)
@@ -277,25 +289,39 @@ class Checkpointer:
         except BaseException as exc:  # a save that failed does not stop a restore
             logger.warning("the checkpoint save in flight failed before the load: %s", exc)
 
-    def _candidates(self, name: str | None, group: Any) -> list[str]:
-        if coord.rank_of(group) != 0:
-            return []
-        dirs = scan(self._storage)
-        if name is not None:
-            return [name] if any(d.name == name and d.has_manifest for d in dirs) else []
-        return list(reversed(committed_names(dirs, self._pointer_name())))
+    def _candidates(self, name: str | None,
+                    group: Any) -> tuple[list[str], str | None]:
+        """Rank 0: the folders to try, newest first, and the pointer they were read under.
 
-    def _load_one(self, name: str, flat: FlatState, group: Any) -> CheckpointInfo:
+        One listing of the run's folder; whether a folder holds a manifest is found
+        out by reading it when its turn comes (on an object store, a listing per folder
+        would cost a request each, every restore).
+        """
+        if coord.rank_of(group) != 0:
+            return [], None
+        names = self._storage.list_dirs()
+        if name is not None:
+            return ([name] if name in names else []), None
+        pointer = self._pointer_name()
+        return candidates(names, pointer), pointer
+
+    def _load_one(self, name: str, flat: FlatState, group: Any) -> CheckpointInfo | None:
+        """Load ``name`` (collective); None when it has no manifest (a partial save)."""
         url = self._storage.url_of(name)
 
-        def prepare() -> tuple[Manifest, Any]:
-            manifest = read_manifest(self._storage, name)
+        def prepare() -> tuple[Manifest, Any] | None:
+            manifest = read_manifest(self._storage, name, missing_ok=True)
+            if manifest is None:
+                return None
             metadata = read_metadata(self._storage, manifest)
             check_fits(flat.tensors, metadata, url)
             flat.check_objects(manifest.objects, url)
             return manifest, metadata
 
-        manifest, metadata = coord.agree(prepare, group, f"reading {name}")
+        prepared = coord.agree(prepare, group, f"reading {name}")
+        if prepared is None:
+            return None
+        manifest, metadata = prepared
         read_shards(flat.tensors, self._storage, manifest, metadata, group)
         flat.finish_load(manifest.objects, url)
         logger.info("restored checkpoint %s", url)
@@ -310,9 +336,12 @@ class Checkpointer:
         url = self._storage.url_of(state.name)
         if state.has_manifest:
             try:
-                return CheckpointInfo.of(read_manifest(self._storage, state.name), url, committed)
+                manifest = read_manifest(self._storage, state.name, missing_ok=True)
             except CorruptShardError as exc:
                 logger.warning("%s", exc)
+            else:
+                if manifest is not None:  # else removed since the listing
+                    return CheckpointInfo.of(manifest, url, committed)
         return CheckpointInfo(state.name, parse_step(state.name) or 0, url, None, {}, False,
                               state.nbytes)
 

@@ -1,16 +1,16 @@
 """``elastic-rt checkpoint ls|verify URL``: look at checkpoints without loading them.
 
 ``ls`` prints one line per checkpoint folder. ``verify`` reads every file of every
-committed checkpoint and compares its size and CRC-32 with the manifest; it runs no
+committed checkpoint and compares its size and checksum with the manifest; it runs no
 pickle and needs no process group.
 """
 
 from __future__ import annotations
 
 import logging
-import zlib
 from typing import Any
 
+from elastic_rt.checkpoint.checksum import checksum_of
 from elastic_rt.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from elastic_rt.checkpoint.manifest import FileEntry
 from elastic_rt.checkpoint.storage import FsspecStorage
@@ -75,11 +75,11 @@ def verify(url: str, storage_options: dict[str, Any] | None = None) -> tuple[boo
 def _check_file(storage: FsspecStorage, name: str, entry: FileEntry) -> str | None:
     rel = f"{name}/{entry.path}"
     try:
-        data = storage.read_bytes(rel)
+        data = storage.read_bytes(rel, nonempty=entry.size > 0)
     except FileNotFoundError:
         return f"{storage.url_of(rel)}: missing"
-    crc = f"{zlib.crc32(data):08x}"
-    if (len(data), crc) != (entry.size, entry.crc32):
-        return (f"{storage.url_of(rel)}: {len(data)} bytes, CRC-32 {crc}; manifest says "
-                f"{entry.size} bytes, {entry.crc32}")
+    checksum = checksum_of(data, entry.checksum)
+    if (len(data), checksum) != (entry.size, entry.checksum):
+        return (f"{storage.url_of(rel)}: {len(data)} bytes, checksum {checksum}; manifest "
+                f"says {entry.size} bytes, {entry.checksum}")
     return None

@@ -2,16 +2,16 @@
 
 A checkpoint is a folder ``step-<8 digit step>-<6 hex>`` under the run's URL. The
 manifest (``manifest.json``) is written last, after every rank's files are durable;
-it lists every file with its size and CRC-32, the layout, the step, the user's
-``extra`` and the non-tensor state. A folder without a manifest is a partial
+it lists every file with its size and checksum (:mod:`.checksum`), the layout, the
+step, the user's ``extra`` and the non-tensor state. A folder without a manifest is a partial
 checkpoint: never loaded, and removed by retention.
 
 With a pointer (the run's fenced "latest committed" name in etcd) a manifest is not
 enough: a checkpoint is committed when it is the pointer's or older than it. This
 keeps a manifest written by a fenced-out round, or one whose pointer update crashed,
-invisible. The decisions (:func:`committed_names`, :func:`names_to_remove`) are pure
-functions over folder listings; the I/O is in :func:`scan`, :func:`read_manifest` and
-:func:`write_manifest`.
+invisible. The decisions (:func:`candidates`, :func:`committed_names`,
+:func:`names_to_remove`) are pure functions over folder names; the I/O is in
+:func:`scan`, :func:`read_manifest` and :func:`write_manifest`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,7 +28,8 @@ from elastic_rt.checkpoint.storage import Storage
 from elastic_rt.errors import CorruptShardError
 
 MANIFEST_FILE = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _NAME_RE = re.compile(r"^step-(\d{8})-([0-9a-f]{6})$")
 
 
@@ -52,8 +54,8 @@ class FileEntry:
 
     path: str
     size: int
-    crc32: str
-    """CRC-32 of the whole file as 8 hex digits (corruption check, not a signature)."""
+    checksum: str
+    """Of the whole file, as ``"<algorithm>:<hex>"`` (corruption check, not a signature)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,13 +85,19 @@ class Manifest:
     def from_json(cls, data: bytes, source: str) -> "Manifest":
         """Parse a manifest; anything unexpected is a corrupt checkpoint.
 
+        Version 1 manifests (CRC-32 as ``crc32``) are read as version 2.
+
         Raises:
-            CorruptShardError: not JSON, wrong version or missing fields.
+            CorruptShardError: not JSON, unknown version or missing fields.
         """
         try:
             raw = json.loads(data)
-            if raw.get("format_version") != FORMAT_VERSION:
+            if raw.get("format_version") not in _READABLE_VERSIONS:
                 raise ValueError(f"format_version {raw.get('format_version')!r}")
+            if raw["format_version"] == 1:
+                for entry in raw["files"]:
+                    entry["checksum"] = f"crc32:{entry.pop('crc32')}"
+                raw["format_version"] = FORMAT_VERSION
             raw["files"] = tuple(FileEntry(**f) for f in raw["files"])
             return cls(**raw)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -105,26 +113,41 @@ class DirState:
     nbytes: int
 
 
-def committed_names(dirs: list[DirState], pointer: str | None) -> list[str]:
-    """Committed checkpoints, oldest first (see the module docstring for the rule)."""
-    names = sorted((d.name for d in dirs if d.has_manifest), key=_order)
+def candidates(names: Iterable[str], pointer: str | None) -> list[str]:
+    """Folders that are committed if they hold a manifest, newest first: ours, and
+    with a pointer, the pointer's or older."""
+    ours = sorted((n for n in names if parse_step(n) is not None), key=_order, reverse=True)
     if pointer is None:
-        return names
+        return ours
     limit = parse_step(pointer)
     if limit is None:
         return []
-    return [n for n in names if n == pointer or (parse_step(n) or 0) < limit]
+    return [n for n in ours if n == pointer or (parse_step(n) or 0) < limit]
 
 
-def names_to_remove(dirs: list[DirState], pointer: str | None, keep: int,
-                    in_flight: set[str]) -> list[str]:
-    """Folders retention deletes: committed beyond the newest ``keep``, and every
-    uncommitted folder that is not being written now. ``keep <= 0`` keeps all committed.
+def committed_names(dirs: list[DirState], pointer: str | None) -> list[str]:
+    """Committed checkpoints, oldest first (see the module docstring for the rule)."""
+    with_manifest = {d.name for d in dirs if d.has_manifest}
+    return [n for n in reversed(candidates(with_manifest, pointer))]
+
+
+def names_to_remove(names: Iterable[str], pointer: str | None, keep: int, in_flight: set[str],
+                    has_manifest: Callable[[str], bool]) -> list[str]:
+    """Folders retention deletes, oldest first: committed ones beyond the newest
+    ``keep``, and every uncommitted folder that is not being written now. ``keep <= 0``
+    keeps all committed.
+
+    ``has_manifest`` is asked only about the newest candidates, until ``keep`` are
+    found: on an object store each answer is a request.
     """
-    committed = committed_names(dirs, pointer)
-    kept = set(committed[-keep:] if keep > 0 else committed)
-    return sorted((d.name for d in dirs if d.name not in kept and d.name not in in_flight),
-                  key=_order)
+    names = [n for n in names if parse_step(n) is not None]
+    kept: list[str] = []
+    for name in candidates(names, pointer):
+        if keep > 0 and len(kept) == keep:
+            break
+        if has_manifest(name):
+            kept.append(name)
+    return sorted((n for n in names if n not in kept and n not in in_flight), key=_order)
 
 
 def scan(storage: Storage) -> list[DirState]:
@@ -138,16 +161,18 @@ def scan(storage: Storage) -> list[DirState]:
     return sorted(states, key=lambda d: _order(d.name))
 
 
-def read_manifest(storage: Storage, name: str) -> Manifest:
-    """Read and parse one checkpoint's manifest.
+def read_manifest(storage: Storage, name: str, *, missing_ok: bool = False) -> Manifest | None:
+    """Read and parse one checkpoint's manifest (None if missing and ``missing_ok``).
 
     Raises:
-        CorruptShardError: the manifest is missing or unreadable.
+        CorruptShardError: the manifest is missing (unless ``missing_ok``) or unreadable.
     """
     source = storage.url_of(f"{name}/{MANIFEST_FILE}")
     try:
-        data = storage.read_bytes(f"{name}/{MANIFEST_FILE}")
+        data = storage.read_bytes(f"{name}/{MANIFEST_FILE}", nonempty=True)  # never written empty
     except FileNotFoundError as exc:
+        if missing_ok:
+            return None
         raise CorruptShardError(f"{source} is missing") from exc
     manifest = Manifest.from_json(data, source)
     if manifest.name != name:

@@ -61,7 +61,7 @@ class Storage(Protocol):
     def list_dirs(self) -> list[str]: ...
     def list_files(self, rel: str) -> dict[str, int]: ...
     def exists(self, rel: str) -> bool: ...
-    def read_bytes(self, rel: str) -> bytes: ...
+    def read_bytes(self, rel: str, nonempty: bool = False) -> bytes: ...
     def write_bytes(self, rel: str, data: bytes) -> None: ...
     def remove_tree(self, rel: str) -> None: ...
 
@@ -135,8 +135,16 @@ class FsspecStorage:
     def exists(self, rel: str) -> bool:
         return bool(self._call(self.fs.exists, self.path(rel)))
 
-    def read_bytes(self, rel: str) -> bytes:
-        """The whole file. Raises FileNotFoundError (ours to interpret) if missing."""
+    def read_bytes(self, rel: str, nonempty: bool = False) -> bytes:
+        """The whole file. Raises FileNotFoundError (ours to interpret) if missing.
+
+        ``nonempty``, when the caller knows the file is not empty, saves an object store
+        the HEAD request s3fs makes to learn the size: the object is fetched with one
+        GET of the range "from byte 0" (still all of it, so a size check stays exact;
+        an empty object would answer that range with an error).
+        """
+        if nonempty:
+            return self._call(self.fs.cat_file, self.path(rel), start=0)
         return self._call(self.fs.cat_file, self.path(rel))
 
     def write_bytes(self, rel: str, data: bytes) -> None:

@@ -27,6 +27,10 @@ from typing import Any
 
 import torch
 
+# Records may view immutable bytes fetched from an object store; the tensors built
+# on them are only read (copied into the model), never written.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, skipped fields, name and extra lengths
 
 

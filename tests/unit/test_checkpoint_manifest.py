@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Callable
 
 import pytest
 
+from elastic_rt.checkpoint.checksum import checksum_of
 from elastic_rt.checkpoint.manifest import (
     MANIFEST_FILE,
     DirState,
     FileEntry,
     Manifest,
+    candidates,
     committed_names,
     names_to_remove,
     new_name,
@@ -25,6 +29,18 @@ from elastic_rt.errors import CorruptShardError
 
 def _dirs(*specs: tuple[int, str, bool]) -> list[DirState]:
     return [DirState(f"step-{step:08d}-{suffix}", has, 10) for step, suffix, has in specs]
+
+
+def _names(dirs: list[DirState]) -> list[str]:
+    return [d.name for d in dirs]
+
+
+def _asking(dirs: list[DirState], asked: list[str]) -> Callable[[str], bool]:
+    """``has_manifest`` over ``dirs`` that records what it was asked."""
+    def has_manifest(name: str) -> bool:
+        asked.append(name)
+        return next(d.has_manifest for d in dirs if d.name == name)
+    return has_manifest
 
 
 def test_new_name_carries_the_step_and_parses_back() -> None:
@@ -42,7 +58,7 @@ def test_parse_step_ignores_folders_that_are_not_ours(name: str) -> None:
 def test_manifest_round_trips_through_json() -> None:
     manifest = Manifest(name="step-00000007-abcdef", step=7, layout={"dp": 2},
                         extra={"sampler": {"position": 3}}, objects={"lr": 0.1},
-                        files=(FileEntry(".metadata", 10, "0000abcd"),), world_size=2)
+                        files=(FileEntry(".metadata", 10, "xxh3_64:00000000deadbeef"),), world_size=2)
     again = Manifest.from_json(manifest.to_json(), "x")
     assert again == manifest
     assert again.nbytes == 10
@@ -53,6 +69,21 @@ def test_manifest_round_trips_through_json() -> None:
 def test_a_bad_manifest_is_a_corrupt_checkpoint(data: bytes) -> None:
     with pytest.raises(CorruptShardError, match="not a valid checkpoint manifest"):
         Manifest.from_json(data, "memory://x/manifest.json")
+
+
+def test_a_version_1_manifest_reads_with_its_crc32_checksums() -> None:
+    data = json.dumps({"format_version": 1, "name": "step-00000001-abcdef", "step": 1,
+                       "files": [{"path": "__0_0.distcp", "size": 3, "crc32": "352441c2"}]})
+    manifest = Manifest.from_json(data.encode(), "x")
+    (entry,) = manifest.files
+    assert entry.checksum == "crc32:352441c2" == checksum_of(b"abc", like=entry.checksum)
+
+
+def test_new_checksums_are_xxh3_and_tell_their_algorithm() -> None:
+    assert checksum_of(b"abc") == "xxh3_64:78af5f94892f3950"
+    assert checksum_of(b"abd") != checksum_of(b"abc")
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md4'"):
+        checksum_of(b"abc", like="md4:00")
 
 
 def test_without_a_pointer_every_manifest_commits_oldest_first() -> None:
@@ -70,19 +101,34 @@ def test_with_a_pointer_manifests_newer_than_it_are_not_committed() -> None:
 def test_retention_keeps_the_newest_committed_and_drops_partials() -> None:
     dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", True), (3, "cccccc", False),
                  (4, "dddddd", True), (5, "eeeeee", False))
-    doomed = names_to_remove(dirs, None, keep=2, in_flight={"step-00000005-eeeeee"})
+    asked: list[str] = []
+    doomed = names_to_remove(_names(dirs), None, keep=2, in_flight={"step-00000005-eeeeee"},
+                             has_manifest=_asking(dirs, asked))
     assert doomed == ["step-00000001-aaaaaa", "step-00000003-cccccc"]
+    assert asked == ["step-00000005-eeeeee", "step-00000004-dddddd", "step-00000003-cccccc",
+                     "step-00000002-bbbbbb"]  # newest first, and no further than needed
 
 
 def test_retention_with_keep_zero_keeps_every_committed() -> None:
     dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", False))
-    assert names_to_remove(dirs, None, keep=0, in_flight=set()) == ["step-00000002-bbbbbb"]
+    assert names_to_remove(_names(dirs), None, keep=0, in_flight=set(),
+                           has_manifest=_asking(dirs, [])) == ["step-00000002-bbbbbb"]
 
 
 def test_retention_removes_a_fenced_out_manifest_newer_than_the_pointer() -> None:
     dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", True))
-    assert names_to_remove(dirs, "step-00000001-aaaaaa", keep=3, in_flight=set()) == [
+    assert names_to_remove(_names(dirs) + ["notes"], "step-00000001-aaaaaa", keep=3,
+                           in_flight=set(), has_manifest=_asking(dirs, [])) == [
         "step-00000002-bbbbbb"]
+
+
+def test_candidates_are_newest_first_and_no_newer_than_the_pointer() -> None:
+    names = ["step-00000002-bbbbbb", "other", "step-00000001-aaaaaa", "step-00000003-cccccc"]
+    assert candidates(names, None) == ["step-00000003-cccccc", "step-00000002-bbbbbb",
+                                       "step-00000001-aaaaaa"]
+    assert candidates(names, "step-00000002-bbbbbb") == ["step-00000002-bbbbbb",
+                                                         "step-00000001-aaaaaa"]
+    assert candidates(names, "garbage") == []
 
 
 def test_scan_and_manifest_io_on_memory_storage() -> None:

@@ -6,13 +6,13 @@ import io
 import json
 import os
 import pickle
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from elastic_rt.checkpoint import Checkpointer
+from elastic_rt.checkpoint.checksum import checksum_of
 from elastic_rt.checkpoint.manifest import MANIFEST_FILE
 from elastic_rt.checkpoint.safe_pickle import load_metadata
 from elastic_rt.errors import CheckpointMismatchError, CorruptShardError
@@ -41,7 +41,7 @@ def _plant(folder: Path, filename: str, data: bytes) -> None:
     manifest = json.loads((folder / MANIFEST_FILE).read_text())
     for entry in manifest["files"]:
         if entry["path"] == filename:
-            entry["size"], entry["crc32"] = len(data), f"{zlib.crc32(data):08x}"
+            entry["size"], entry["checksum"] = len(data), checksum_of(data)
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
