@@ -229,7 +229,19 @@ def translate_error(exc: BaseException, url: str) -> BaseException:
         )
     if isinstance(exc, FileNotFoundError):
         return CheckpointError(f"{url}: a file or bucket is missing: {exc}")
-    return CheckpointError(f"storage at {url} failed: {type(exc).__name__}: {exc}")
+    return CheckpointError(f"storage at {url} failed: {_describe(exc)}")
+
+
+def _describe(exc: BaseException) -> str:
+    """The S3 error code and message when the chain has one (s3fs turns them into
+    bare OSErrors), else the exception's type and text."""
+    for err in _chain(exc):
+        response = getattr(err, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return (f"{response['Error']['Code']} (HTTP {status}): "
+                    f"{response['Error'].get('Message', '')}")
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _error_code(exc: BaseException) -> str:
