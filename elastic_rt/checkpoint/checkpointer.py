@@ -45,7 +45,7 @@ from elastic_rt.checkpoint.manifest import (
     write_manifest,
 )
 from elastic_rt.checkpoint.pointer import PointerStore
-from elastic_rt.checkpoint.sharded import check_fits, read_metadata, read_shards, write_shards
+from elastic_rt.checkpoint.sharded import check_fits, read_header, read_shards, write_shards
 from elastic_rt.checkpoint.state_tree import FlatState, encode_objects, flatten
 from elastic_rt.checkpoint.storage import FsspecStorage
 from elastic_rt.errors import (
@@ -310,10 +310,10 @@ class Checkpointer:
         url = self._storage.url_of(name)
 
         def prepare() -> tuple[Manifest, Any] | None:
-            manifest = read_manifest(self._storage, name, missing_ok=True)
-            if manifest is None:
+            header = read_header(self._storage, name)
+            if header is None:
                 return None
-            metadata = read_metadata(self._storage, manifest)
+            manifest, metadata = header
             check_fits(flat.tensors, metadata, url)
             flat.check_objects(manifest.objects, url)
             return manifest, metadata

@@ -1,6 +1,6 @@
 """Checkpoint benchmark: our Checkpointer against the baselines DESIGN §6 names, in one run.
 
-    python scripts/bench/checkpoint.py                 # local disk, 256 MiB, and S3 (moto), 32 MiB
+    python scripts/bench/checkpoint.py                 # local disk, 256 MiB, and S3 (moto), 128 MiB
     python scripts/bench/checkpoint.py --mib 512 --no-s3
 
 Printed side by side, with the ratio and the target:
@@ -10,7 +10,7 @@ Printed side by side, with the ratio and the target:
 * load + reshard (2 -> 1)   / plain DCP load of the same checkpoint      (target <= 1.00)
 * the same on S3 (moto on 127.0.0.1): blocking against ``torch.save`` + upload,
   throughput against a raw s3fs upload of the same bytes, load against plain DCP
-  (the target) and a raw s3fs download of the same bytes (shown).
+  and against a raw s3fs download of the same bytes (both <= 1.00).
 
 The resharding case is real: two gloo processes save a DTensor state sharded over
 them, and this process loads it into whole tensors. Each figure is the median of
@@ -210,7 +210,11 @@ def interleaved(fns: list[Callable[[], Any]], repeat: int) -> list[Timing]:
 
 def bench(label: str, url: str, options: dict, mib: int, repeat: int,
           baseline_save: Callable[[dict], None], raw_write: Callable[[dict], None],
-          raw_read: Callable[[], None], raw_names: tuple[str, str]) -> list[str]:
+          raw_read: Callable[[], None], raw_names: tuple[str, str],
+          raw_read_target: float | None) -> list[str]:
+    """The rows of one storage. ``raw_read_target``: the bound on load time against a
+    raw read of the same bytes (S3: the issue's "relative to raw s3fs download"; a
+    local page-cache read into one small buffer is shown but not a target)."""
     state = make_state(mib)
     size = nbytes(state)
     ckpt = Checkpointer(f"{url}/async", storage_options=options, keep=1)
@@ -238,14 +242,15 @@ def bench(label: str, url: str, options: dict, mib: int, repeat: int,
             None),
         row(f"save throughput vs {raw_names[0]}", save_s, raw_s, ">=0.70", 0.70, size),
         row("load+reshard 2->1 vs plain DCP load", ours_load_s, dcp_load_s, "<=1.00", 1.0),
-        row(f"load+reshard 2->1 vs {raw_names[1]}", ours_load_s, raw_read_s, "", None),
+        row(f"load+reshard 2->1 vs {raw_names[1]}", ours_load_s, raw_read_s,
+            f"<={raw_read_target:.2f}" if raw_read_target else "", raw_read_target),
     ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="local state size in MiB")
-    parser.add_argument("--s3-mib", type=int, default=32, help="S3 state size in MiB")
+    parser.add_argument("--s3-mib", type=int, default=128, help="S3 state size in MiB")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) part")
     args = parser.parse_args()
@@ -277,7 +282,7 @@ def bench_local(work: str, args: argparse.Namespace) -> list[str]:
 
     return bench("local disk", f"file://{work}", {}, args.mib, args.repeat,
                  lambda s: torch_save_local(s, os.path.join(work, "torch.pt")), raw_write,
-                 raw_read, ("raw write (+fsync)", "raw sequential read"))
+                 raw_read, ("raw write (+fsync)", "raw sequential read"), None)
 
 
 def bench_s3(args: argparse.Namespace) -> list[str]:
@@ -303,7 +308,7 @@ def bench_s3(args: argparse.Namespace) -> list[str]:
 
         return bench("S3 (moto on 127.0.0.1)", f"s3://{prefix}", options, args.s3_mib,
                      args.repeat, torch_save_s3, raw_upload, raw_download,
-                     ("raw s3fs upload", "raw s3fs download"))
+                     ("raw s3fs upload", "raw s3fs download"), 1.0)
     finally:
         server.stop()
 
