@@ -133,7 +133,8 @@ class Agent:
         self._last_read = 0.0
         self._last_wait_report = 0.0
         self._standby = False
-        """True while replacement in-process workers wait, outside any round, to be admitted."""
+        """True while in-process workers wait, outside any round, to be admitted."""
+        self._in_process_published = False
 
     # entry point ---------------------------------------------------------------
     def run(self) -> int:
@@ -172,13 +173,24 @@ class Agent:
             if (snapshot.closed is not None or snapshot.completing) and not snapshot.nodes:
                 # A finished run with nobody left: a new launch with the same id starts afresh.
                 self.kv.delete_prefix(self.registry.prefix)
-            self.keeper.start()
+            standby = (snapshot.in_process and snapshot.round is not None
+                       and not (snapshot.closed or snapshot.completing)
+                       and self.info.node_id not in snapshot.round.members)
+            if not standby:
+                self.keeper.start()
         except StoreConnectionError as exc:
             raise EndpointUnreachableError(
                 f"cannot reach etcd at {self.config.rendezvous.endpoint} ({exc})",
                 "Start etcd there (elastic-rt etcd) or fix --rdzv-endpoint.",
             ) from exc
         self.events.emit("node.joined", host=self.info.host, nproc=self.info.nproc)
+        if standby:
+            # Growing a job that recovers in place: admitting us before our workers
+            # have imported torch would make every survivor wait for them.
+            logger.info("node %s starts its workers before joining run %s", self.info.node_id,
+                        self.registry.run_id)
+            self._start_in_standby(snapshot.round)  # type: ignore[arg-type]
+            return
         logger.info("node %s registered for run %s", self.info.node_id, self.registry.run_id)
 
     def _loop(self) -> int:
@@ -282,6 +294,8 @@ class Agent:
         state, exits = self.workers.poll()
         if self._awaiting_ack and state is WorkerState.RUNNING:
             self._check_acks()
+        if not self._in_process_published and state is WorkerState.RUNNING:
+            self._publish_in_process()
         if state is WorkerState.SUCCEEDED:
             return self._succeeded()
         if state is WorkerState.FAILED:
@@ -351,6 +365,12 @@ class Agent:
             self._sleep(0.05)
         logger.warning("no store address for round %d; waiting for the next round", round_.number)
         return None
+
+    def _publish_in_process(self) -> None:
+        """Tell nodes that join later that this run's workers recover in place."""
+        if self._acks_in_process():
+            self.registry.mark_in_process()
+            self._in_process_published = True
 
     def _acks(self) -> list[dict[str, int] | None]:
         acks: list[dict[str, int] | None] = []
@@ -466,13 +486,23 @@ class Agent:
 
         A restart round with the same members would make the survivors wait for the
         replacement to start (seconds of importing torch). Instead the lease goes at
-        once, so the survivors re-form without this node in-process; the replacements
-        start outside any round, announce themselves once imported, and only then
-        does the node register again and get admitted at a step boundary.
+        once, so the survivors re-form without this node in-process, and the
+        replacements start in standby (see :meth:`_start_in_standby`).
         """
         self.keeper.stop(revoke=True)
         self.events.emit("node.left", round=round_.number, reason=why)
         self.restart_count += 1
+        self._start_in_standby(round_)
+
+    def _start_in_standby(self, round_: Round) -> None:
+        """Start workers outside any round; register only once they are imported.
+
+        Used by a node joining a running in-process job and by one replacing a failed
+        worker. The workers announce themselves once imported; only then does the node
+        register, and the survivors admit it at a step boundary without waiting.
+        Workers that do not announce in time are stopped and the node joins the normal
+        way (restart mode is the fallback, never a hang).
+        """
         envs = [
             {**os.environ, **self._extras(), NODE_ID_ENV: self.info.node_id,
              RUN_ID_ENV: self.registry.run_id, ROUND_ENV: "-1", LOCAL_RANK_ENV: str(i),
@@ -480,7 +510,11 @@ class Agent:
             for i in range(self.info.nproc)
         ]  # fmt: skip
         pids = self.workers.start(self.config.command, envs)
-        self.events.emit("worker.restarted", pids=pids, restart_count=self.restart_count, standby=True)
+        self.events.emit(
+            "worker.restarted" if self._ever_ran else "worker.started",
+            pids=pids, restart_count=self.restart_count, standby=True,
+        )
+        self._ever_ran = True
         deadline = time.monotonic() + self.config.reform_timeout.total_seconds()
         while time.monotonic() < deadline and self._leave_signal is None:
             if self.workers.poll()[0] is not WorkerState.RUNNING or self._acks_in_process():
@@ -497,7 +531,7 @@ class Agent:
             self.running_round = dataclasses.replace(round_, number=-1)
             self._standby = True
         else:
-            self._stop_workers("replacement workers did not start in time")
+            self._stop_workers("standby workers did not start in time")
 
     def _probe_peers(self, round_: Round) -> tuple[list[str], list[str]]:
         """Probe every other member; evict those whose agent is certainly gone.

@@ -213,6 +213,7 @@ class _ElasticLoop:
                 pointer=FencedPointer(self.follower.registry, checkpoint.url, self._token),
                 events=self.events,
                 collective_timeout=self.collective_timeout,
+                round_of=lambda: self.ctx.round if self.ctx else None,
             )
 
     def _token(self) -> int:
@@ -478,7 +479,7 @@ class _ElasticLoop:
         began = time.monotonic()
         self.progress.reform_started = self.progress.failed_at or began
         new_round = self.follower.wait_for_round(round_.number, self.reform_timeout)
-        self._phase("round.formed", began, world_size=new_round.world_size, round_number=new_round.number)
+        self._phase("round.formed", began, round=new_round.number, world_size=new_round.world_size)
         return new_round
 
     # one training step ------------------------------------------------------------
@@ -587,9 +588,13 @@ class _ElasticLoop:
         rank = round_.rank_offset(self.env.node_id) + self.env.local_rank
         return rank, round_.world_size, round_.token, round_.number
 
-    def _phase(self, name: str, began: float, **metadata: Any) -> None:
+    def _phase(self, name: str, began: float, *, round: int | None = None,
+               **metadata: Any) -> None:
+        """Emit ``name`` with its duration; ``round`` defaults to the current one."""
+        if round is None and self.ctx is not None:
+            round = self.ctx.round
         now = time.monotonic()
-        self.events.emit(name, round=self.ctx.round if self.ctx else None, step=self.progress.step,
+        self.events.emit(name, round=round, step=self.progress.step,
                          duration_ms=int((now - began) * 1000), **metadata)
 
     def shutdown(self) -> None:

@@ -145,6 +145,7 @@ def report(demo: Demo, killed_at: float) -> None:
         first = min(resumed, key=lambda e: e.timestamp_ms)
         print(f"\nKill -> survivors' next completed step: {first.timestamp_ms / 1000 - killed_at:.2f} s "
               f"(no worker restarted, 0 steps lost: resumed at step {first.step})")
+    report_growth(events, "node-d")
     sizes = []
     for e in events:
         if e.name == "step.completed" and (not sizes or sizes[-1][1] != e.metadata["world_size"]):
@@ -153,6 +154,25 @@ def report(demo: Demo, killed_at: float) -> None:
     print("\nCheckpoints (elastic-rt checkpoint ls):")
     for line in checkpoint_inspect.ls(f"file://{demo.out / 'checkpoints'}"):
         print("  " + line)
+
+
+def report_growth(events: list, joiner: str) -> None:
+    """How long the survivors paused to admit ``joiner``: the longest gap between two
+    of rank 0's completed steps from the joiner's start to the end of the run."""
+    joined = [e.timestamp_ms for e in events if e.name == "node.joined" and e.node == joiner]
+    admitted = [e for e in events if e.name == "round.formed" and e.source == "agent"
+                and joiner in e.metadata.get("members", ())]
+    if not joined or not admitted:
+        return
+    steps = [e for e in events if e.name == "step.completed" and e.rank == 0
+             and e.timestamp_ms >= joined[0]]
+    gaps = [(b.timestamp_ms - a.timestamp_ms, b.step) for a, b in zip(steps, steps[1:])]
+    if not gaps:
+        return
+    pause_ms, at_step = max(gaps)
+    print(f"{joiner} joined -> admitted: {(admitted[0].timestamp_ms - joined[0]) / 1000:.2f} s "
+          f"(its workers started before it joined; the survivors kept training); survivors' "
+          f"longest pause while growing: {pause_ms / 1000:.2f} s (before step {at_step})")
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -114,6 +115,7 @@ class Checkpointer:
         self._stager = Stager()
         self._writer = BackgroundWriter()
         self._side: tuple[Any, Any] | None = None
+        self._round_of: Callable[[], int | None] = lambda: None
         self._unclaimed: CheckpointInfo | None = None
 
     def __repr__(self) -> str:
@@ -148,9 +150,11 @@ class Checkpointer:
             coord.agree_name(step, exc, group)
             raise
         blocking_s = time.monotonic() - started
+        round_number = self._round_of()  # the round whose state this is, not the write's
 
         def job() -> CheckpointInfo:
-            return self._write(step, tensors, objects, layout, extra, group, blocking_s)
+            return self._write(step, tensors, objects, layout, extra, group, blocking_s,
+                               round_number)
 
         if self.async_save:
             self._writer.submit(job)
@@ -204,7 +208,8 @@ class Checkpointer:
                 continue
             if info is None:
                 continue  # no manifest: a save that never committed, not a checkpoint
-            self._emit("checkpoint.restored", info.step, checkpoint=info.name, fallback_from=failed)
+            self._emit("checkpoint.restored", info.step, self._round_of(), checkpoint=info.name,
+                       fallback_from=failed)
             return info
         if last_error is not None:
             raise last_error  # every committed checkpoint is damaged; this is the oldest
@@ -218,15 +223,18 @@ class Checkpointer:
         return [self._info(d, d.name in committed) for d in dirs]
 
     def bind(self, *, pointer: PointerStore | None = None, events: EventSink | None = None,
-             collective_timeout: timedelta | None = None) -> None:
-        """Attach the run's fenced pointer, event sink and collective timeout.
+             collective_timeout: timedelta | None = None,
+             round_of: Callable[[], int | None] | None = None) -> None:
+        """Attach the run's fenced pointer, event sink, collective timeout and round.
 
         The elastic loop calls this: the user builds the Checkpointer before any
-        round exists, and only the loop knows the round whose token fences commits
-        and how long a save may wait for a peer that might be dead.
+        round exists, and only the loop knows the round whose token fences commits,
+        how long a save may wait for a peer that might be dead, and which round
+        (``round_of()``) the events belong to.
         """
         self._pointer = pointer or self._pointer
         self._events = events or self._events
+        self._round_of = round_of or self._round_of
         if collective_timeout is not None:
             self._timeout = collective_timeout
 
@@ -241,7 +249,8 @@ class Checkpointer:
     # -- saving (runs in the background thread when async) --------------------------
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], objects: dict[str, Any],
-               layout: dict | None, extra: dict, group: Any, blocking_s: float) -> CheckpointInfo:
+               layout: dict | None, extra: dict, group: Any, blocking_s: float,
+               round_number: int | None) -> CheckpointInfo:
         started = time.monotonic()
         name = coord.agree_name(step, None, group)
         logger.info("writing checkpoint %s", self._storage.url_of(name))
@@ -256,7 +265,8 @@ class Checkpointer:
         write_s = time.monotonic() - started
         logger.info("committed checkpoint %s (%d bytes in %.2fs)", info.url, info.nbytes, write_s)
         if coord.rank_of(group) == 0:
-            self._emit("checkpoint.committed", step, checkpoint=name, nbytes=info.nbytes,
+            self._emit("checkpoint.committed", step, round_number, checkpoint=name,
+                       nbytes=info.nbytes,
                        blocking_ms=round(blocking_s * 1000, 1), write_ms=round(write_s * 1000, 1))
             self._retain(committed=name)
         return info
@@ -367,9 +377,9 @@ class Checkpointer:
         except Exception as exc:  # the training group may already be gone
             logger.debug("could not destroy the checkpoint group: %s", exc)
 
-    def _emit(self, event: str, step: int, **metadata: Any) -> None:
+    def _emit(self, event: str, step: int, round_number: int | None, **metadata: Any) -> None:
         if self._events is not None:
-            self._events.emit(event, step=step, **metadata)
+            self._events.emit(event, round=round_number, step=step, **metadata)
 
 
 def _checked_extra(extra: dict | None) -> dict:

@@ -10,6 +10,8 @@ Key layout under ``/elastic_rt/<run_id>/``:
 ``failure/<k>``     the first worker failure reported in round k
 ``alarm``           a worker saw a collective fail; agents probe their peers
 ``completing``      some node's workers all succeeded; no more rounds
+``in_process``      the workers recover in place: a joining node starts its workers
+                    before it registers, so admitting it stalls nobody
 ``closed``          why the job ended (finished or failed); agents exit
 ``checkpoint``      name of the last committed checkpoint, written fenced
 ==================  ===========================================================
@@ -74,6 +76,7 @@ class RunRegistry:
             nodes=nodes,
             closed=closed.value.decode() if closed else None,
             completing="completing" in items,
+            in_process="in_process" in items,
             alarm=(int(json.loads(alarm.value)["round"]), alarm.mod_revision) if alarm else None,
         )
 
@@ -126,6 +129,9 @@ class RunRegistry:
     def raise_alarm(self, round_number: int, reporter: str) -> None:
         payload = {"round": round_number, "reporter": reporter, "ms": int(time.time() * 1000)}
         self.kv.put(self.key("alarm"), json.dumps(payload).encode())
+
+    def mark_in_process(self) -> None:
+        self.kv.put(self.key("in_process"), b"1")
 
     def mark_completing(self) -> None:
         self.kv.put(self.key("completing"), b"1")

@@ -121,6 +121,8 @@ class Snapshot:
     """Some node's workers all succeeded: the job is finishing, so no new rounds."""
     alarm: tuple[int, int] | None = None
     """(round, revision) of the last worker alarm: a collective failed in that round."""
+    in_process: bool = False
+    """The run's workers recover in place (an agent saw them say so)."""
 
 
 @dataclass(frozen=True, slots=True)

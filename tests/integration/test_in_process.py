@@ -2,8 +2,9 @@
 
 Three agents with one gloo worker each run ``scripts/examples/elastic_train.py``.
 One node is SIGKILLed at about step 30 and a fourth joins at about step 60; the
-final parameters must equal those of an uninterrupted run, and the survivors'
-worker processes must be the ones that started.
+final parameters must equal those of an uninterrupted run, the survivors' worker
+processes must be the ones that started, and the newcomer's workers must start
+before it is admitted (the survivors train on meanwhile).
 """
 
 from __future__ import annotations
@@ -65,3 +66,13 @@ def test_node_kill_and_join_end_with_the_parameters_of_an_uninterrupted_run(
     assert sizes == {3, 2}, sizes  # 3 nodes, then 2 after the kill, then 3 again with d
     steps = sorted(e.step for e in log if e.name == "step.completed" and e.rank == 0)
     assert steps == list(range(1, STEPS + 1)), "a step was skipped or done twice"
+
+    # d's workers started before d joined, so the survivors trained on meanwhile.
+    started = [e for e in log if e.name == "worker.started" and e.node == "d"]
+    admitted = [i for i, e in enumerate(log) if e.name == "round.formed" and e.source == "agent"
+                and "d" in e.metadata.get("members", ())]
+    assert [e.metadata.get("standby") for e in started] == [True], started
+    assert admitted and log.index(started[0]) < admitted[0]
+    trained_meanwhile = [e for e in log[log.index(started[0]):admitted[0]]
+                         if e.name == "step.completed" and e.rank == 0]
+    assert trained_meanwhile, "the survivors waited for d's workers to start"
