@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from elastic_rt import config as cfg
 from elastic_rt.errors import ConfigError, UnknownURLSchemeError, UserError
@@ -47,8 +47,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage mistakes get one line naming the problem and where help is, like every
+    other user error here (argparse alone prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic-rt", description=__doc__.splitlines()[0])
+    parser = _OneLineParser(prog="elastic-rt", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     _add_launch(commands)
     _add_etcd(commands)

@@ -75,6 +75,16 @@ def test_bad_launch_flag_is_one_line_with_exit_2(args: tuple[str, ...], names: t
     _assert_one_line_error(_cli("launch", *args, TORCHRUN_SCRIPT, tmp=tmp_path), *names)
 
 
+@pytest.mark.parametrize("args", [("launch", "--bogus", "x"), ("checkpoint",), ("frobnicate",)],
+                         ids=["unknown-flag", "missing-action", "unknown-command"])
+def test_usage_mistakes_are_one_line_naming_the_help(args: tuple[str, ...],
+                                                     tmp_path: Path) -> None:
+    result = _cli(*args, tmp=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("elastic-rt") and "error:" in line and "--help)" in line, line
+
+
 def test_missing_script(tmp_path: Path) -> None:
     missing = str(tmp_path / "no_such_train.py")
     _assert_one_line_error(_cli("launch", missing, "--steps", "3", tmp=tmp_path), missing, "path")
