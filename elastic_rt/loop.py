@@ -67,7 +67,7 @@ from elastic_rt.errors import (
 from elastic_rt.events import EventSink
 from elastic_rt.layout import Layout, ModelLimits, plan_layout
 from elastic_rt.membership import RoundFollower
-from elastic_rt.pg_store import open_round_store
+from elastic_rt.pg_store import NewerRound, join_round_store, wait_for_ranks
 from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
@@ -103,10 +103,6 @@ class SteppedModel(Protocol):
 BuildFn = Callable[[Layout], Any]
 """Returns a :class:`TrainState`, or a :class:`SteppedModel` when ``step`` is None."""
 StepFn = Callable[[TrainState, Any], torch.Tensor]
-
-
-class _Reform(Exception):
-    """A newer round exists: leave the current one at this step boundary."""
 
 
 @dataclass
@@ -230,7 +226,7 @@ class _ElasticLoop:
                     self.resplit()
                     self.train(max_steps)
                     break
-                except _Reform:
+                except NewerRound:
                     logger.info("newer round pending; re-forming at step %d", self.progress.step)
                 except (RuntimeError, dist.DistError) as exc:
                     self.on_failure(round_, exc)
@@ -247,7 +243,7 @@ class _ElasticLoop:
     def train(self, max_steps: int) -> None:
         while self.progress.step < max_steps:
             if self.follower and self.ctx and self.follower.has_newer_round(self.ctx.round):
-                raise _Reform()
+                raise NewerRound()
             self.progress.is_dirty = not self._is_step_atomic()
             loss = self.train_step()
             self.sampler.advance()
@@ -273,11 +269,15 @@ class _ElasticLoop:
             else (self.env.master_addr, self.env.master_port)
         )
         if address is None:
-            raise _Reform()  # the round's first node died before publishing its store
+            raise NewerRound()  # the round's first node died before publishing its store
+        newer = ((lambda: self.follower.has_newer_round(number))  # type: ignore[union-attr]
+                 if self.follower is not None else None)
         self.store = None  # drop the previous round's store (its server closes with it)
-        self.store = self._open_store(address, rank, world, number)
+        self.store = join_round_store(address, rank=rank, world_size=world,
+                                      timeout=self.reform_timeout, newer_round=newer)
         prefix = f"/elastic_rt/{self.env.run_id}/round-{number}/"
-        self._wait_for_ranks(self.store, prefix, world, number)
+        wait_for_ranks(self.store, prefix, world_size=world, timeout=self.reform_timeout,
+                       newer_round=newer)
         self.groups = init_groups(self.store, rank=rank, world_size=world, layout=layout,
                                   prefix=prefix, timeout=self.collective_timeout,
                                   join_timeout=max(self.collective_timeout, self.reform_timeout))
@@ -289,59 +289,6 @@ class _ElasticLoop:
         if self.follower and round_:
             self.follower.acknowledge(round_)
         self._phase("groups.reformed", began, world_size=world, layout=str(layout))
-
-    def _open_store(self, address: tuple[str, int], rank: int, world: int,
-                    number: int) -> dist.Store:
-        """Host (rank 0) or reach the round's store; leave for a newer round if its host died.
-
-        A client retries its connection for the store's whole timeout. When the
-        round's first node dies before hosting the store, one attempt of
-        ``reform_timeout`` would hold the survivors for minutes after the agents
-        formed the next round, so clients connect in short attempts and look for
-        a newer round between them.
-
-        Raises:
-            _Reform: a newer round exists.
-        """
-        if rank == 0 or self.follower is None:
-            return open_round_store(address, is_host=rank == 0, world_size=world,
-                                    timeout=self.reform_timeout)
-        deadline = time.monotonic() + self.reform_timeout.total_seconds()
-        while True:
-            try:
-                store = open_round_store(address, is_host=False, world_size=world,
-                                         timeout=_STORE_CONNECT_ATTEMPT)
-            except (RuntimeError, dist.DistError):
-                if time.monotonic() > deadline:
-                    raise
-                if self.follower.has_newer_round(number):
-                    raise _Reform() from None
-                continue
-            store.set_timeout(self.reform_timeout)
-            return store
-
-    def _wait_for_ranks(self, store: dist.Store, prefix: str, world: int, number: int) -> None:
-        """Wait until every rank of the round has reached its store, however slow its start.
-
-        A rank (re)started for this round (a joining node, a replaced worker, a fenced
-        node back) first imports torch: seconds, more on a busy host. The bootstrap
-        in ``init_groups`` waits only the collective timeout, which is sized to catch
-        a hung peer; with a slow starter the others time out, raise the alarm, and a
-        new round restarts the starter again: a livelock. This wait is bounded by
-        ``reform_timeout`` and ends at once when a newer round forms (a starter that
-        died on its way in loses its lease), so it never hangs.
-
-        Raises:
-            _Reform: a newer round exists.
-        """
-        key = f"{prefix}checked-in"
-        arrived = store.add(key, 1)
-        deadline = time.monotonic() + self.reform_timeout.total_seconds()
-        while arrived < world and time.monotonic() < deadline:
-            if self.follower is not None and self.follower.has_newer_round(number):
-                raise _Reform()
-            time.sleep(0.01)
-            arrived = store.add(key, 0)
 
     def restore(self) -> None:
         began = time.monotonic()
@@ -627,10 +574,6 @@ def _all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> N
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-_STORE_CONNECT_ATTEMPT = timedelta(seconds=2)
-"""One attempt to reach a round's store; between attempts a worker looks for a newer round."""
 
 
 def _collective_timeout(env: WorkerEnv) -> timedelta:
