@@ -67,6 +67,7 @@ from elastic_rt.rendezvous.rounds import (
     Participate,
     Propose,
     Round,
+    Snapshot,
     Wait,
     decide,
     restart_round,
@@ -217,6 +218,9 @@ class Agent:
                 logger.warning("etcd unavailable (%s); workers keep running", exc)
                 self._sleep(self.config.monitor_interval.total_seconds() * 5)
                 continue
+            if snapshot.completing and self._finished_without_us(snapshot):
+                self.registry.close("finished")
+                return self._closed("finished: the job completed before this node's workers joined")
             action = decide(
                 snapshot,
                 self.info.node_id,
@@ -365,6 +369,25 @@ class Agent:
             self._sleep(0.05)
         logger.warning("no store address for round %d; waiting for the next round", round_.number)
         return None
+
+    def _finished_without_us(self, snapshot: Snapshot) -> bool:
+        """The job completed in a round that lists us, and every other member has left.
+
+        Seen when a node is admitted just as the others finish their last step: its
+        workers would wait for a round store that is gone. It applies when we have no
+        workers, or in-process workers that never joined the round (their acks say so);
+        a worker that did join may still be writing its outputs, so it is never cut short.
+        """
+        round_ = snapshot.round
+        if round_ is None or self.info.node_id not in round_.members:
+            return False
+        if any(m in snapshot.nodes for m in round_.members if m != self.info.node_id):
+            return False
+        if self.workers.poll()[0] is not WorkerState.RUNNING:
+            return self.running_round is None and not self.workers.pids
+        if not self._acks_in_process():
+            return False
+        return not any(a is not None and a["round"] >= round_.number for a in self._acks())
 
     def _publish_in_process(self) -> None:
         """Tell nodes that join later that this run's workers recover in place."""

@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic_rt.etcd_server import free_port
+from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.rounds import NodeInfo, Round
 from tests.fixtures.processes import ProcessTree, wait_until
 from tests.integration.launch_helpers import REPO, agent_env, events, launch_args
 
@@ -76,3 +80,35 @@ def test_node_kill_and_join_end_with_the_parameters_of_an_uninterrupted_run(
     trained_meanwhile = [e for e in log[log.index(started[0]):admitted[0]]
                          if e.name == "step.completed" and e.rank == 0]
     assert trained_meanwhile, "the survivors waited for d's workers to start"
+
+
+def test_a_node_admitted_as_the_others_finish_ends_with_the_job(
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path
+) -> None:
+    """Seen in chaos: the round admitting a node formed during the others' last step;
+    they finished and left, and its workers waited for a round store that was gone.
+    Here ``gone`` is a registered node we control: its round admits ``late``, its
+    store address leads nowhere, and once ``late``'s workers wait for it, the job
+    completes and ``gone`` leaves. ``late`` must end with the job, exit 0."""
+    kv = EtcdKV(etcd_server.endpoint)
+    registry = RunRegistry(kv, run_id)
+    try:
+        lease = kv.grant_lease(30)
+        registry.register(NodeInfo(node_id="gone", host="127.0.0.1", nproc=1), lease)
+        admitting = Round(number=3, members=("gone", "late"), nprocs=(1, 1),
+                          hosts=("127.0.0.1", "127.0.0.1"), reason="admitting late")
+        kv.put(registry.key("round"), admitting.to_json())
+        registry.publish_store(admitting, f"127.0.0.1:{free_port()}")  # nobody listens
+        registry.mark_in_process()
+        late = _node(process_tree, etcd_server, run_id, tmp_path, "late", tmp_path / "out.pt")
+        wait_until(lambda: any(e.name == "worker.started" and e.node == "late"
+                               for e in events(tmp_path / "events.jsonl")), 60, "late's worker")
+        registry.mark_completing()
+        kv.revoke_lease(lease)  # gone finished and left
+        assert late.wait(timeout=60) == 0, (tmp_path / "late.log").read_text()[-3000:]
+        assert registry.closed_reason() == "finished"
+    finally:
+        kv.close()
+    exited = [e for e in events(tmp_path / "events.jsonl")
+              if e.name == "agent.exited" and e.node == "late"]
+    assert [e.metadata["exitcode"] for e in exited] == [0], exited
