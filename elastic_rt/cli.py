@@ -72,7 +72,8 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (torchrun's meaning)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this node")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
-                   help="etcd://host:port of the rendezvous; none starts a private etcd on 127.0.0.1")
+                   help="etcd://host:port of the rendezvous (a cluster: etcd://h1:2379,h2:2379,...); "
+                        "none starts a private etcd on 127.0.0.1")
     p.add_argument("--rdzv-backend", "--rdzv_backend", default="etcd", help="only 'etcd' (v3 API)")
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", default="default",
                    help="names the job; two run ids on one etcd never meet")
@@ -126,7 +127,11 @@ def _auth(args: argparse.Namespace, tls: bool = False) -> cfg.EtcdAuth:
 
 
 def parse_endpoint(text: str) -> tuple[str, bool]:
-    """``etcd://host:port``, ``etcds://host:port`` (TLS) or ``host:port`` -> (host:port, tls)."""
+    """``etcd://host:port``, ``etcds://host:port`` (TLS) or ``host:port`` -> (host:port, tls).
+
+    Several members of one etcd cluster are separated by commas
+    (``etcd://h1:2379,h2:2379,h3:2379``) and come back the same way.
+    """
     scheme, sep, rest = text.partition("://")
     if not sep:
         scheme, rest = "etcd", text
@@ -135,10 +140,13 @@ def parse_endpoint(text: str) -> tuple[str, bool]:
             f"rendezvous endpoint {text!r} has the unknown scheme {scheme!r}",
             "Use etcd://host:port (or etcds://host:port for TLS).",
         )
-    host, _, port = rest.rstrip("/").rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"rendezvous endpoint {text!r} is not host:port", "Use etcd://host:port.")
-    return f"{host}:{port}", scheme in ("etcds", "https")
+    members = [member.strip().rstrip("/") for member in rest.rstrip("/").split(",")]
+    for member in members:
+        host, _, port = member.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"rendezvous endpoint {text!r} is not host:port",
+                              "Use etcd://host:port (a cluster: etcd://h1:2379,h2:2379,h3:2379).")
+    return ",".join(members), scheme in ("etcds", "https")
 
 
 def _worker_command(args: argparse.Namespace) -> list[str]:

@@ -83,12 +83,15 @@ def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
 
 @dataclass
 class EtcdServer:
-    """One etcd process on 127.0.0.1.
+    """One etcd process on 127.0.0.1, alone or as a member of a cluster.
 
     Args:
         port: client port; a free one when None.
         data_dir: kept after stop when given; a temporary one (removed on stop) when None.
         extra_args: more etcd flags (TLS, for instance); ``scheme`` must then say "https".
+        name: the member's name.
+        peer_port: the member's peer port; a free one when 0.
+        initial_cluster: ``name=http://host:peer_port,...`` of every member; alone when None.
     """
 
     port: int | None = None
@@ -98,9 +101,11 @@ class EtcdServer:
     host: str = "127.0.0.1"
     health_ca: str | None = None
     health_cert: tuple[str, str] | None = None
+    name: str = "default"
+    peer_port: int = 0
+    initial_cluster: str | None = None
     _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _owns_data_dir: bool = field(default=False, init=False)
-    _peer_port: int = field(default=0, init=False)
     _stderr: IO[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -112,8 +117,19 @@ class EtcdServer:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
-    def start(self, timeout: float = 30.0) -> "EtcdServer":
-        """Start etcd and wait until ``/health`` answers.
+    @property
+    def peer_url(self) -> str:
+        """This member's entry for ``initial_cluster`` (the peer port is picked here)."""
+        if self.peer_port == 0:
+            self.peer_port = free_port(self.host)
+        return f"{self.name}=http://{self.host}:{self.peer_port}"
+
+    def start(self, timeout: float = 30.0, *, wait: bool = True) -> "EtcdServer":
+        """Start etcd and (unless ``wait`` is false) wait until ``/health`` answers.
+
+        A cluster member answers healthy only once the cluster has a leader, so
+        members are started with ``wait=False`` and then waited for with
+        :meth:`wait_healthy`.
 
         Raises:
             ConfigError: the port is in use or no binary is found.
@@ -127,28 +143,27 @@ class EtcdServer:
                 f"port {self.port} on {self.host} is already in use",
                 "Pick another --port, or stop whatever listens there.",
             )
-        if self._peer_port == 0:
-            self._peer_port = free_port(self.host)
         if self.data_dir is None:
             self.data_dir = owned_temp_dir(_DATA_DIR_PREFIX)
             self._owns_data_dir = True
         self._spawn(binary)
-        self._wait_healthy(timeout)
-        logger.info("etcd %s serving on %s (pid %s)", binary, self.endpoint, self.pid)
+        if wait:
+            self.wait_healthy(timeout)
         return self
 
     def _spawn(self, binary: str) -> None:
         client_url = f"{self.scheme}://{self.host}:{self.port}"
-        peer_url = f"http://{self.host}:{self._peer_port}"
+        member = self.peer_url
+        peer_url = member.split("=", 1)[1]
         args = [
             binary,
-            "--name", "default",
+            "--name", self.name,
             "--data-dir", str(self.data_dir),
             "--listen-client-urls", client_url,
             "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer_url,
             "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"default={peer_url}",
+            "--initial-cluster", self.initial_cluster or member,
             "--log-level", "error",
             *self.extra_args,
         ]  # fmt: skip
@@ -161,6 +176,15 @@ class EtcdServer:
             stderr=self._stderr,
             start_new_session=True,
         )
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Wait until ``/health`` answers.
+
+        Raises:
+            ElasticError: etcd exited or did not get healthy within ``timeout``.
+        """
+        self._wait_healthy(timeout)
+        logger.info("etcd %s serving on %s (pid %s)", self.name, self.endpoint, self.pid)
 
     def _wait_healthy(self, timeout: float) -> None:
         # etcd3 marks an endpoint failed if its first call races start-up, so the

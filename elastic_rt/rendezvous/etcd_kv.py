@@ -78,11 +78,20 @@ def _translated(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+MEMBER_BENCH_S = 2.0
+"""Seconds an unreachable cluster member is skipped before it is tried again."""
+
+
 class EtcdKV:
-    """KVStore on one etcd endpoint.
+    """KVStore on etcd: one endpoint, or the members of one cluster.
+
+    With several members a call that finds its member unreachable fails (callers
+    retry, as they do across an etcd restart) and the next call goes to another
+    member; the unreachable one is left alone for ``MEMBER_BENCH_S``. Leases, keys
+    and revisions are the cluster's, so nothing else changes.
 
     Args:
-        endpoint: ``host:port``.
+        endpoint: ``host:port``, or ``host:port,host:port,...`` for a cluster.
         auth: TLS files and user/password; the password is only handed to etcd.
         timeout: seconds for each unary call, so a dead etcd fails fast.
 
@@ -99,7 +108,7 @@ class EtcdKV:
         self._timeout = timeout
         self._login_lock = threading.Lock()
         self._needs_login = self._auth.user is not None
-        host, _, port = endpoint.rpartition(":")
+        members = [m for m in endpoint.split(",") if m]
         secure = self._auth.is_tls
         if self._auth.user and not secure:
             logger.warning(
@@ -109,7 +118,8 @@ class EtcdKV:
             )
         # The client benches an endpoint for 300 s after one failed call by default. With a
         # single endpoint that turns an etcd restart of a second into five minutes of
-        # errors, so time_retry=0 lets gRPC reconnect on the next call instead.
+        # errors, so time_retry=0 lets gRPC reconnect on the next call instead. With
+        # several, a short bench makes the next call try another member.
         creds = _channel_credentials(self._auth) if secure else None
         # gRPC backs off up to seconds between reconnects; after an etcd restart that
         # delay alone could outlast a short lease, so reconnect within half a second.
@@ -118,10 +128,15 @@ class EtcdKV:
             "grpc.min_reconnect_backoff_ms": 100,
             "grpc.max_reconnect_backoff_ms": 500,
         }
-        node = etcd3.Endpoint(
-            host, int(port), secure=secure, creds=creds, time_retry=0, opts=list(reconnect.items())
+        bench = 0 if len(members) == 1 else MEMBER_BENCH_S
+        nodes = [
+            etcd3.Endpoint(host, int(port), secure=secure, creds=creds, time_retry=bench,
+                           opts=list(reconnect.items()))
+            for host, _, port in (member.rpartition(":") for member in members)
+        ]
+        self._client = etcd3.MultiEndpointEtcd3Client(
+            endpoints=nodes, timeout=timeout, failover=len(nodes) > 1
         )
-        self._client = etcd3.MultiEndpointEtcd3Client(endpoints=[node], timeout=timeout)
         if self._needs_login:
             try:
                 self._login()

@@ -1,0 +1,112 @@
+"""A three-member etcd cluster: clients given every member survive losing one.
+
+The members are real etcd processes on 127.0.0.1 (``etcd_cluster`` fixture). The
+client is told all three (``host:port,host:port,host:port``, as ``--rdzv-endpoint
+etcd://h1:2379,h2:2379,h3:2379`` passes them); killing the member it talks to must
+cost a failed call at most, never the run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_rt.cli import parse_endpoint
+from elastic_rt.errors import ConfigError, StoreError
+from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from tests.fixtures.processes import ProcessTree, wait_until
+from tests.integration.launch_helpers import REPO, agent_env, events, launch_args
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(240)]
+
+SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
+
+
+def _endpoints(members: list[EtcdServer]) -> str:
+    return ",".join(m.endpoint for m in members)
+
+
+def _in_use(kv: EtcdKV, members: list[EtcdServer]) -> EtcdServer:
+    netloc = kv._client.endpoint_in_use.netloc
+    return next(m for m in members if m.endpoint == netloc)
+
+
+def _retrying(call, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+    """What a caller does across a member's loss: try again until it works."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except StoreError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # the next call goes to another member
+
+
+def test_a_cluster_endpoint_list_parses_and_a_bad_member_is_named() -> None:
+    assert parse_endpoint("etcd://10.0.0.1:2379,10.0.0.2:2379") == (
+        "10.0.0.1:2379,10.0.0.2:2379", False)
+    assert parse_endpoint("etcds://a:1, b:2")[1] is True
+    with pytest.raises(ConfigError, match="not host:port"):
+        parse_endpoint("etcd://10.0.0.1:2379,10.0.0.2")
+
+
+def test_a_client_survives_the_loss_of_the_member_it_uses(
+        etcd_cluster: list[EtcdServer]) -> None:
+    kv = EtcdKV(_endpoints(etcd_cluster))
+    changed = threading.Event()
+    try:
+        kv.put("/cluster/x", b"1")
+        lease = kv.grant_lease(10)
+        kv.put("/cluster/leased", b"1", lease=lease)
+        cancel = kv.on_change("/cluster/x", changed.set)
+        victim = _in_use(kv, etcd_cluster)
+        victim.kill()
+
+        _retrying(lambda: kv.put("/cluster/x", b"2"))
+        assert _in_use(kv, etcd_cluster) is not victim
+        assert kv.get("/cluster/x").value == b"2"  # type: ignore[union-attr]
+        assert _retrying(lambda: kv.refresh_lease(lease)) is True
+        assert kv.get("/cluster/leased") is not None  # the lease is the cluster's
+
+        changed.clear()
+        deadline = time.monotonic() + 10
+        while not changed.is_set() and time.monotonic() < deadline:
+            kv.put("/cluster/x", b"3")  # the watch re-arms on a live member
+            changed.wait(0.5)
+        assert changed.is_set(), "the watch went silent after the member died"
+        cancel()
+    finally:
+        kv.close()
+
+
+@pytest.mark.slow
+def test_an_in_process_job_trains_through_the_loss_of_an_etcd_member(
+        process_tree: ProcessTree, etcd_cluster: list[EtcdServer], run_id: str,
+        tmp_path: Path) -> None:
+    endpoints = _endpoints(etcd_cluster)
+    steps = 60
+    agents = {}
+    for name in "ab":
+        args = launch_args(endpoints, run_id, "2", tmp_path / "events.jsonl", node_id=name)
+        script = [SCRIPT, "--steps", str(steps), "--out", str(tmp_path / "out.pt"),
+                  "--step-time", "0.05"]
+        agents[name] = process_tree.elastic_rt(*args, *script, env=agent_env(),
+                                               log=str(tmp_path / f"{name}.log"))
+
+    def step() -> int:
+        return max((e.step or 0 for e in events(tmp_path / "events.jsonl")
+                    if e.name == "step.completed"), default=0)
+
+    wait_until(lambda: step() >= 15, 180, "step 15")
+    etcd_cluster[0].kill()
+    for name, proc in agents.items():
+        assert proc.wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    log = events(tmp_path / "events.jsonl")
+    done = sorted(e.step for e in log if e.name == "step.completed" and e.rank == 0)
+    assert done == list(range(1, steps + 1)), "a step was skipped or done twice"
+    assert not [e for e in log if e.name in ("worker.restarted", "agent.fenced")]
