@@ -28,7 +28,16 @@ torchrun-default   ``torchrun --rdzv-backend=c10d --nnodes 2:3`` with its
                    rendezvous defaults; node SIGKILL
 torchrun-fast      the same with the fastest settings that still work reliably
                    (``--torchrun-fast-conf``); node SIGKILL
+inproc-join        no fault: only a and b start, and node c is started at
+                   ``--kill-step``; the job grows to 3 (elastic-rt in-process)
+restart-join       the same in restart mode (``torchrun_ddp.py``): every worker
+                   restarts from the last checkpoint, as torchrun does on a join
 =================  ==========================================================
+
+For the join cases "recovery" is the time from starting node c to the first step
+at world size 3, and the figure that matters is the survivors' **longest pause**:
+the longest gap between two steps completed anywhere from c's start until three
+steps at world size 3 (in-process, a and b train on while c starts).
 
 torchrun's c10d rendezvous store lives in the agent of the node that hosts it
 (``is_host=true``, node a here); killing that node ends the job for everyone, so
@@ -105,6 +114,8 @@ def cases(args: argparse.Namespace) -> dict[str, Case]:
         Case("restart-kill", "elastic", False, "node-kill", "<= 6 s"),
         Case("torchrun-default", "torchrun", False, "node-kill", "-"),
         Case("torchrun-fast", "torchrun", False, "node-kill", "-", rdzv_conf=args.torchrun_fast_conf),
+        Case("inproc-join", "elastic", True, "join", "pause <= 1.5 s"),
+        Case("restart-join", "elastic", False, "join", "-"),
     ]
     return {c.name: c for c in listed}
 
@@ -117,6 +128,8 @@ class Trial:
     resumed_from: int | None
     victim_rank: int | None
     error: str = ""
+    pause_s: float | None = None
+    """Longest gap between two completed steps from the fault to 3 steps after recovery."""
 
 
 @dataclass(frozen=True)
@@ -157,8 +170,14 @@ class Job:
 
     def start(self) -> None:
         for node in NODES:
-            proc = self.procs.start(self._command(node), env=self._env(), log=self.work / f"{node}.log")
-            self.nodes[node] = proc.pid
+            if node != VICTIM or self.case.fault != "join":
+                self._start_node(node)
+
+    def _start_node(self, node: str) -> float:
+        stamp = time.time()
+        proc = self.procs.start(self._command(node), env=self._env(), log=self.work / f"{node}.log")
+        self.nodes[node] = proc.pid
+        return stamp
 
     def _script(self) -> list[str]:
         a = self.args
@@ -209,7 +228,7 @@ class Job:
         self.start()
         wait_for(lambda: self._check_alive() or max((r.step for r in self.poll()), default=0) >= a.kill_step,
                  a.start_timeout, f"step {a.kill_step}")
-        victim_tree = self.procs.tree(self.nodes[VICTIM])
+        victim_tree = self.procs.tree(self.nodes[VICTIM]) if VICTIM in self.nodes else []
         old_pids = {p.pid for pid in self.nodes.values() for p in self.procs.tree(pid)}
         fault_round = max((r.round or 0) for r in self.poll())
         stamp = self._fault(victim_tree)
@@ -218,6 +237,8 @@ class Job:
         def recovered(r: Row) -> bool:
             if r.time <= stamp:
                 return False
+            if self.case.fault == "join":
+                return r.world_size == len(NODES)
             if self.case.in_process:
                 return r.node != VICTIM and (r.round or 0) > fault_round
             return r.pid not in old_pids
@@ -233,11 +254,15 @@ class Job:
         def old(r: Row) -> bool:
             return (r.round or 0) <= fault_round if self.case.in_process else r.pid in old_pids
 
-        before = [r for r in self.rows if old(r)]
+        before = [r for r in self.rows if old(r) and not recovered(r)]
         last_before = max(r.step for r in before)
         victim_rank = next((r.rank for r in before if self._is_victim(r, victim_tree)), None)
+        end = min(r.time for r in self.rows if recovered(r) and r.step >= first.step + 3)
+        times = sorted({r.time for r in self.rows if stamp - 1 <= r.time <= end} | {stamp})
+        pause = max((b - a for a, b in zip(times, times[1:])), default=None)
         return Trial(recovery_s=first.time - stamp, steps_lost=max(0, last_before - (first.step - 1)),
-                     last_before=last_before, resumed_from=first.step - 1, victim_rank=victim_rank)
+                     last_before=last_before, resumed_from=first.step - 1, victim_rank=victim_rank,
+                     pause_s=pause)
 
     def _is_victim(self, r: Row, victim_tree: list) -> bool:
         if self.case.in_process:
@@ -245,6 +270,8 @@ class Job:
         return r.pid in {p.pid for p in victim_tree}
 
     def _fault(self, victim_tree: list) -> float:
+        if self.case.fault == "join":
+            return self._start_node(VICTIM)
         root = self.nodes[VICTIM]
         if self.case.fault == "node-kill":
             return self.procs.signal_tree(root, signal.SIGKILL)
@@ -272,7 +299,8 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
             procs.close()
         trials.append(trial)
         print(f"  {case.name} #{i + 1}: recovery {fmt(trial.recovery_s)} s, steps lost "
-              f"{fmt(trial.steps_lost, 'd')} (last {trial.last_before}, resumed from "
+              f"{fmt(trial.steps_lost, 'd')}, longest pause {fmt(trial.pause_s)} s "
+              f"(last {trial.last_before}, resumed from "
               f"{trial.resumed_from}), victim rank {trial.victim_rank}, trial took "
               f"{time.monotonic() - began:.0f} s{'  ERROR: ' + trial.error if trial.error else ''}"
               f"  [{work}]", flush=True)
@@ -291,13 +319,16 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
         ok = [t for t in trials if t.recovery_s is not None]
         times = [t.recovery_s for t in ok]
         lost = median([t.steps_lost for t in ok])
+        pause = median([t.pause_s for t in ok if t.pause_s is not None])
         rows.append([
             name, f"{len(ok)}/{len(trials)}", fmt(med[name]),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
-            fmt(lost, ".0f"), ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
+            fmt(lost, ".0f"), fmt(pause), ratio(default, med[name]), ratio(fast, med[name]),
+            chosen[name].target,
         ])  # fmt: skip
     return table(["case", "ok", "recovery s (median)", "min-max", "steps lost (median)",
-                  "torchrun-default / this", "torchrun-fast / this", "target"], rows)
+                  "longest pause s (median)", "torchrun-default / this", "torchrun-fast / this",
+                  "target"], rows)
 
 
 def parse_args() -> argparse.Namespace:
