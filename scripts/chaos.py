@@ -449,7 +449,7 @@ def audit_steps(events: list[Event], steps: int) -> tuple[int, int, int]:
     lost = repeated = redone = 0
     done_anywhere: set[int] = set()
     for index, event in enumerate(events):
-        if event.name == "round.formed" and event.round is not None:
+        if event.name == "round.formed" and event.source == "agent" and event.round is not None:
             members[event.round] = tuple(event.metadata.get("members", ()))
         elif event.name in ("worker.started", "worker.restarted", "agent.fenced"):
             state_lost_at.setdefault(event.node or "", []).append(index)

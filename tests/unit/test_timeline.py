@@ -71,6 +71,23 @@ def test_recoveries_are_timed_from_the_first_fault_through_each_phase() -> None:
     assert describe(first).startswith("round 1: lost c, world 3 -> 2, 2.")
 
 
+def test_a_growth_counts_the_survivors_pause_not_the_newcomers_start() -> None:
+    """In-process, a newcomer's workers start before it is admitted while the survivors
+    train on: the growth's recovery starts at their last step, not at the join."""
+    events = [_event("node.joined", 10.0, "d", host="127.0.0.1", nproc=1)
+              if e.name == "node.joined" and e.node == "d" else e for e in in_process_run()]
+    _, second = find_recoveries(sorted(events, key=lambda e: e.timestamp_ms))
+    assert second.start_ms == T0 + 11750  # a and b's last step of round 1
+
+
+def test_worker_round_events_do_not_stand_for_the_agents_rounds() -> None:
+    """Workers report round.formed (without members) as they notice a round."""
+    events = in_process_run() + [_event("round.formed", 12.15, "a", source="worker", rank=0,
+                                        round=2, world_size=3)]  # fmt: skip
+    _, second = find_recoveries(sorted(events, key=lambda e: e.timestamp_ms))
+    assert second.cause == "admitting d" and second.world_before == 2
+
+
 def test_a_killed_node_without_reports_is_dated_by_its_last_step() -> None:
     events = [e for e in in_process_run() if e.name != "step.retried"]
     first = find_recoveries(sorted(events, key=lambda e: e.timestamp_ms))[0]

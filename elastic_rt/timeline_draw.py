@@ -1,0 +1,238 @@
+"""Drawing a run's timeline with matplotlib (the analysis is in :mod:`.timeline`).
+
+Only :func:`draw` imports matplotlib, and it builds a bare Figure (no pyplot), so no
+global backend state changes and importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from elastic_rt.events import Event
+from elastic_rt.timeline import (
+    PHASE_COLOURS,
+    Recovery,
+    duration_text,
+    node_order,
+    rounds_formed,
+    step_series,
+    worker_bars,
+)
+
+
+MARKERS = {
+    "node.joined": (">", "#2ca02c", "joined"),
+    "node.lost": ("X", "#d62728", "lost"),
+    "node.left": ("s", "#ff7f0e", "left (SIGTERM)"),
+    "worker.failed": ("v", "#d62728", "worker failed"),
+    "agent.fenced": ("D", "#9467bd", "fenced itself"),
+    "job.finished": ("P", "#222222", "finished"),
+}
+LINES = {
+    "node.lost": ("#d62728", "--"),
+    "node.left": ("#ff7f0e", "--"),
+    "node.joined": ("#2ca02c", ":"),
+}
+SHADE = "#7f7f7f"
+
+
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    """What every panel needs: the time origin and a colour per node."""
+
+    t0_ms: int
+    end_ms: int
+    colours: dict[str, Any]
+
+    def x(self, ms: int) -> float:
+        return (ms - self.t0_ms) / 1000
+
+
+def draw(events: Sequence[Event], recoveries: Sequence[Recovery]) -> Any:
+    """The figure of a run: panels for steps, node lanes, recoveries and world size."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    nodes = node_order(events)
+    palette = colormaps["tab10"]
+    frame = _Frame(events[0].timestamp_ms, events[-1].timestamp_ms,
+                   {n: palette(i % 10) for i, n in enumerate(nodes)})  # fmt: skip
+    steps = step_series(events)
+    panels = ["steps"] if steps else []
+    panels += ["nodes", "recovery", "world"] if recoveries else ["nodes", "world"]
+    sizes = {"steps": 3.2, "nodes": 0.42 * len(nodes) + 0.5, "recovery": 0.55, "world": 1.2}
+    figure = Figure(figsize=(12, sum(sizes[p] for p in panels) + 1.0), layout="constrained")
+    axes = figure.subplots(len(panels), 1, sharex=True,
+                           gridspec_kw={"height_ratios": [sizes[p] for p in panels]})  # fmt: skip
+    axes = dict(zip(panels, axes if len(panels) > 1 else [axes]))
+    for ax in axes.values():
+        _shade_and_mark(ax, events, recoveries, frame)
+    if steps:
+        _draw_steps(axes["steps"], steps, recoveries, frame)
+    _draw_lanes(axes["nodes"], events, recoveries, nodes, frame)
+    if recoveries:
+        _draw_recovery(axes["recovery"], recoveries, frame)
+    _draw_world(axes["world"], events, frame)
+    _label_lines(axes[panels[0]], events, frame)
+    axes["world"].set_xlabel("seconds since the first event")
+    axes["world"].set_xlim(-0.01 * frame.x(frame.end_ms), frame.x(frame.end_ms) * 1.02 + 0.1)
+    figure.suptitle(_title(events, recoveries, nodes), fontsize=12, x=0.01, ha="left")
+    _legend(figure, events, recoveries, frame)
+    return figure
+
+
+def _title(events: Sequence[Event], recoveries: Sequence[Recovery], nodes: list[str]) -> str:
+    run_id = next((e.run_id for e in events if e.run_id), "?")
+    rounds = len({e.round for e in rounds_formed(events)})
+    text = (f"run {run_id}: {_count(len(nodes), 'node')}, {_count(rounds, 'round')}, "
+            f"{_count(len(recoveries), 'recovery', 'recoveries')}")  # fmt: skip
+    if recoveries:
+        durations = sorted(r.duration_s for r in recoveries)
+        text += f" (median {durations[len(durations) // 2]:.1f} s, longest {durations[-1]:.1f} s)"
+    return text
+
+
+def _count(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def _shade_and_mark(
+    ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery], frame: _Frame
+) -> None:
+    for r in recoveries:
+        ax.axvspan(frame.x(r.start_ms), frame.x(r.end_ms), color=SHADE, alpha=0.13, lw=0)
+    for e, colour, style in _line_events(events):
+        ax.axvline(frame.x(e.timestamp_ms), color=colour, ls=style, lw=1.1, alpha=0.8)
+    ax.grid(axis="x", color="#dddddd", lw=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _line_events(events: Sequence[Event]) -> list[tuple[Event, str, str]]:
+    """Losses, leaves, and joins after the first round: the events worth a vertical line."""
+    first_round = min((e.timestamp_ms for e in rounds_formed(events)), default=0)
+    chosen = []
+    for e in events:
+        if e.name in LINES and (e.name != "node.joined" or e.timestamp_ms > first_round):
+            chosen.append((e, *LINES[e.name]))
+    return chosen
+
+
+def _label_lines(ax: Any, events: Sequence[Event], frame: _Frame) -> None:
+    span = max(frame.x(frame.end_ms), 1e-3)
+    last_x, level = -1.0, 0
+    for e, colour, _style in _line_events(events):
+        x = frame.x(e.timestamp_ms)
+        who = e.metadata.get("lost") if e.name == "node.lost" else e.node
+        level = level + 1 if x - last_x < 0.06 * span else 0
+        ax.annotate(f"{who} {e.name.split('.')[1]}", xy=(x, 1.0),
+                    xycoords=("data", "axes fraction"), xytext=(3, 2 + 10 * level),
+                    textcoords="offset points", fontsize=8.5,
+                    color=colour, fontweight="bold")  # fmt: skip
+        last_x = x
+
+
+def _draw_steps(ax: Any, steps: dict[tuple[str, Any], list[tuple[int, int]]],
+                recoveries: Sequence[Recovery], frame: _Frame) -> None:
+    workers = sorted(steps, key=lambda key: (key[0], str(key[1])))
+    for i, (node, rank) in enumerate(workers):
+        # Ranks of a data-parallel job move in lockstep, so their lines coincide; drawing
+        # each one thinner than the last keeps every worker visible as a coloured rim.
+        width = 1.2 + 3.0 * (len(workers) - 1 - i) / max(len(workers) - 1, 1)
+        for segment in _segments(steps[(node, rank)], recoveries):
+            ax.plot([frame.x(t) for t, _ in segment], [s for _, s in segment],
+                    color=frame.colours.get(node, "#555555"), lw=width,
+                    solid_capstyle="butt")  # fmt: skip
+    ax.set_ylabel("step (a line per worker)")
+    ax.set_ylim(bottom=0)
+
+
+def _segments(
+    points: list[tuple[int, int]], recoveries: Sequence[Recovery]
+) -> list[list[tuple[int, int]]]:
+    """Split where a step does not move forward (work redone) or a recovery lies between."""
+    segments: list[list[tuple[int, int]]] = []
+    for t, step in points:
+        last = segments[-1][-1] if segments else None
+        broken = last is None or step <= last[1] or any(
+            last[0] <= r.start_ms and r.end_ms <= t for r in recoveries
+        )
+        if broken:
+            segments.append([])
+        segments[-1].append((t, step))
+    return segments
+
+
+def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery], nodes: list[str],
+                frame: _Frame) -> None:
+    lane = {n: len(nodes) - 1 - i for i, n in enumerate(nodes)}
+    span = max(frame.x(frame.end_ms), 1e-3)
+    for node, spans in worker_bars(events, recoveries).items():
+        for start, end, number in spans:
+            width = frame.x(end) - frame.x(start)
+            ax.broken_barh([(frame.x(start), width)], (lane[node] - 0.28, 0.56),
+                           facecolors=frame.colours[node], edgecolors="white", linewidth=1.5,
+                           alpha=0.85)  # fmt: skip
+            if number is not None and width > 0.07 * span:
+                ax.text(frame.x(start) + width / 2, lane[node], f"round {number}", ha="center",
+                        va="center", fontsize=8, color="white", fontweight="bold")  # fmt: skip
+    for e in events:
+        if e.name not in MARKERS or (e.name == "worker.failed" and e.source != "agent"):
+            continue
+        node = str(e.metadata.get("lost")) if e.name == "node.lost" else e.node
+        if node in lane:
+            marker, colour, _label = MARKERS[e.name]
+            ax.plot(frame.x(e.timestamp_ms), lane[node], marker=marker, color=colour, ms=9,
+                    mec="white", mew=0.8, zorder=5, ls="none")  # fmt: skip
+    ax.set_yticks(range(len(nodes)), list(reversed(nodes)))
+    ax.set_ylim(-0.6, len(nodes) - 0.4)
+    ax.set_ylabel("node")
+
+
+def _draw_recovery(ax: Any, recoveries: Sequence[Recovery], frame: _Frame) -> None:
+    for r in recoveries:
+        for p in r.phases:
+            start = frame.x(p.start_ms)
+            ax.broken_barh([(start, frame.x(p.end_ms) - start)], (0.15, 0.7),
+                           facecolors=PHASE_COLOURS[p.label])  # fmt: skip
+        ax.annotate(duration_text(r), xy=(frame.x(r.end_ms), 0.5), xytext=(4, 0),
+                    textcoords="offset points", va="center", fontsize=9,
+                    fontweight="bold")  # fmt: skip
+    ax.set_yticks([])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("recovery", rotation=0, ha="right", va="center")
+
+
+def _draw_world(ax: Any, events: Sequence[Event], frame: _Frame) -> None:
+    formed = sorted(rounds_formed(events), key=lambda e: e.timestamp_ms)
+    if not formed:
+        ax.text(0.5, 0.5, "no round formed", transform=ax.transAxes, ha="center", va="center")
+        return
+    xs = [frame.x(e.timestamp_ms) for e in formed] + [frame.x(frame.end_ms)]
+    ys = [int(e.metadata.get("world_size", 0)) for e in formed]
+    ax.step(xs, ys + ys[-1:], where="post", color="#333333", lw=1.8)
+    ax.fill_between(xs, ys + ys[-1:], step="post", color="#999999", alpha=0.18)
+    for e, x, y in zip(formed, xs, ys):
+        ax.annotate(f"round {e.round}: {y}", xy=(x, y), xytext=(4, 3), textcoords="offset points",
+                    fontsize=8.5, va="bottom")  # fmt: skip
+    ax.set_ylim(0, max(ys) * 1.45 + 0.5)
+    ax.set_yticks(sorted(set(ys)))
+    ax.set_ylabel("world size")
+
+
+def _legend(
+    figure: Any, events: Sequence[Event], recoveries: Sequence[Recovery], frame: _Frame
+) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=colour, label=n if n.startswith("node") else f"node {n}")
+               for n, colour in frame.colours.items()]  # fmt: skip
+    present = {e.name for e in events}
+    handles += [Line2D([], [], marker=m, color=c, ls="none", ms=8, label=label)
+                for name, (m, c, label) in MARKERS.items() if name in present]  # fmt: skip
+    phases = {p.label for r in recoveries for p in r.phases}
+    handles += [Patch(color=c, label=p) for p, c in PHASE_COLOURS.items() if p in phases]
+    figure.legend(handles=handles, loc="outside right center", fontsize=8.5, frameon=False)
