@@ -51,15 +51,17 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         time.sleep(args.step_time)
+        # The step is reported before it is checkpointed, so a checkpoint never names a
+        # step the progress file has not seen (a worker stopped between the two).
+        if args.progress:
+            with open(args.progress, "a") as f:
+                f.write(json.dumps({"step": step, "rank": rank, "world_size": world,
+                                    "time": time.time(), "pid": os.getpid()}) + "\n")
         if rank == 0 and step % args.ckpt_every == 0:
             tmp = args.ckpt + ".tmp"
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "step": step}, tmp)
             os.replace(tmp, args.ckpt)
-        if args.progress:
-            with open(args.progress, "a") as f:
-                f.write(json.dumps({"step": step, "rank": rank, "world_size": world,
-                                    "time": time.time(), "pid": os.getpid()}) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
