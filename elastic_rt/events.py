@@ -135,3 +135,29 @@ def read_events(path: str) -> Iterator[Event]:
             except json.JSONDecodeError:
                 continue
             yield Event(**raw)
+
+
+class JsonLinesTail:
+    """Follows a JSON-lines file that others append to: each :meth:`poll` returns the
+    rows added since the last one. A torn last line (a writer mid-append) is left for
+    the next call; a line that is not JSON is skipped."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._offset = 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as handle:
+            handle.seek(self._offset)
+            data = handle.read()
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        rows = []
+        for line in data[:end].splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+        return rows

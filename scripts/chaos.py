@@ -27,7 +27,6 @@ faults through :func:`run_trial`.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import random
@@ -49,7 +48,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from elastic_rt.etcd_server import EtcdServer  # noqa: E402
-from elastic_rt.events import Event  # noqa: E402
+from elastic_rt.events import Event, JsonLinesTail  # noqa: E402
 
 logger = logging.getLogger("chaos")
 
@@ -143,25 +142,19 @@ def _kill_tree(pids: list[int], sig: int = signal.SIGKILL) -> None:
 
 # one job ------------------------------------------------------------------------------
 class EventTail:
-    """Reads a JSON-lines event file incrementally (whole lines only)."""
+    """The events of a JSON-lines file so far, read incrementally."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.events: list[Event] = []
-        self._offset = 0
+        self._tail = JsonLinesTail(path)
 
     def read(self) -> list[Event]:
-        if self.path.exists():
-            with open(self.path, "rb") as handle:
-                handle.seek(self._offset)
-                data = handle.read()
-            end = data.rfind(b"\n") + 1
-            self._offset += end
-            for line in data[:end].splitlines():
-                try:
-                    self.events.append(Event(**json.loads(line)))
-                except (ValueError, TypeError):
-                    continue
+        for row in self._tail.poll():
+            try:
+                self.events.append(Event(**row))
+            except TypeError:
+                continue  # not an event
         return self.events
 
 

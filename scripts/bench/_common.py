@@ -9,7 +9,6 @@ it has seen, so no agent, worker or etcd outlives the benchmark.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import statistics
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import psutil
+
+from elastic_rt.events import JsonLinesTail
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -107,26 +108,15 @@ def interruptible() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-class JsonLines:
-    """Reads the rows appended to a JSON-lines file since the last call."""
+class JsonLines(JsonLinesTail):
+    """A :class:`~elastic_rt.events.JsonLinesTail` that also keeps every row it read."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        super().__init__(path)
         self.rows: list[dict] = []
-        self._offset = 0
 
     def poll(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as handle:
-            handle.seek(self._offset)
-            data = handle.read()
-        end = data.rfind(b"\n") + 1  # leave a torn last line for the next call
-        self._offset += end
-        new = []
-        for line in data[:end].splitlines():
-            with contextlib.suppress(ValueError):
-                new.append(json.loads(line))
+        new = super().poll()
         self.rows.extend(new)
         return new
 
