@@ -17,9 +17,22 @@ retried in the next round, from the state of the most advanced survivor, with th
 same global batch. Only errors the runtime cannot recover from are raised: the
 same step failing ``max_failed_steps`` times, or no new round in time.
 
-Gradients are reduced by the runtime (one flat all-reduce per step over the
-data-parallel group, after local accumulation), which keeps the global batch
-size fixed and the gradient exactly the global-batch mean whatever the split.
+Gradients are averaged by the runtime over the data-parallel group in buckets that
+start reducing while backward still runs (``worker/grad_sync.py``); each rank's loss
+is weighted by its share, which keeps the global batch size fixed and the gradient
+exactly the global-batch mean whatever the split. Batches come from a torch
+``DataLoader`` over the ``ElasticSampler`` (``worker/batches.py``), re-split at every
+re-form. Around the user's step the runtime applies autocast (with a GradScaler for
+float16), clipping after the average, the optimizer and the LR scheduler
+(``worker/replicated.py``).
+
+An exception from the user's own code (dataset, step, model) is not a lost peer: the
+job ends at once, on every node, with that traceback and a one-line root cause
+(``worker/failures.py``); only failed collectives are retried.
+
+**Events.** ``step.completed`` carries ``loss``, the mean loss over this rank's samples
+of the step (for an object owning its step, what its ``step`` returned), and, when an
+``on_step`` callback is given, ``global_loss``, the mean over the whole global batch.
 
 **Objects that own their step** (``step=None``): for model parallelism, where a
 rank holds a pipeline stage or a tensor shard, ``build(layout)`` returns an
@@ -38,7 +51,9 @@ after it are done again (work lost <= the checkpoint interval).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -63,6 +78,8 @@ from elastic_rt.errors import (
     ConfigError,
     ElasticError,
     FencedOutError,
+    StoreError,
+    UserCodeError,
 )
 from elastic_rt.events import EventSink
 from elastic_rt.layout import Layout, ModelLimits, plan_layout
@@ -75,6 +92,14 @@ from elastic_rt.sampler import ElasticSampler
 from elastic_rt.shard_sync import Holder, broadcast_shards, gather_holders, pick_shard_sources
 from elastic_rt.state_sync import broadcast_state, pick_source
 from elastic_rt.train_state import TrainState
+from elastic_rt.worker.batches import BatchSource, LoaderOptions, check_dataset
+from elastic_rt.worker.failures import user_code
+from elastic_rt.worker.grad_sync import GradSync
+from elastic_rt.worker.replicated import (
+    ReplicatedStep,
+    StepOptions,
+    initialize_optimizer_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +130,19 @@ BuildFn = Callable[[Layout], Any]
 StepFn = Callable[[TrainState, Any], torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What an ``on_step`` callback receives after every committed step."""
+
+    step: int
+    loss: float
+    """The mean loss over the whole global batch (all data-parallel ranks)."""
+    local_loss: float
+    """The mean loss over this rank's samples."""
+    world_size: int
+    round: int
+
+
 @dataclass
 class _Progress:
     step: int = -1
@@ -132,6 +170,11 @@ def run(
     max_failed_steps: int = 3,
     reform_timeout: timedelta = timedelta(seconds=120),
     collate: Callable[[list[Any]], Any] = default_collate,
+    loader: LoaderOptions | None = None,
+    grad_sync: GradSync = GradSync(),
+    autocast_dtype: torch.dtype | None = None,
+    clip_grad_norm: float | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
 ) -> Any:
     """Train ``max_steps`` steps elastically; returns this rank's final state.
 
@@ -150,10 +193,18 @@ def run(
         limits: what the model allows; the layout is planned from it every round.
         max_failed_steps: the same step failing this often is raised, not retried.
         reform_timeout: the most to wait for a round that includes this node.
+        collate: turns a micro-batch's samples into a batch (``loader`` overrides it).
+        loader: ``DataLoader`` settings (worker processes, prefetch, pinned memory).
+        grad_sync: gradient bucket sizes and the reduction hook.
+        autocast_dtype: run ``step`` under autocast (float16 adds a GradScaler).
+        clip_grad_norm: clip the averaged gradients to this global norm.
+        on_step: called after every committed step with a :class:`StepReport`
+            (costs one small all-reduce per step for the global loss).
 
     Raises:
         ElasticError: recovery is impossible (budget spent, no round in time).
         ConfigError: bad arguments (one clear line).
+        UserCodeError: the user's code raised; the job was ended on every node.
     """
     if max_steps < 0 or global_batch_size < 1:
         raise ConfigError(
@@ -165,26 +216,37 @@ def run(
             "micro_batch_size is set but build() owns its step (step=None)",
             "Split micro-batches inside the object's step(), or pass a step function.",
         )
+    if step is None and (autocast_dtype is not None or clip_grad_norm is not None):
+        raise ConfigError(
+            "autocast_dtype or clip_grad_norm is set but build() owns its step (step=None)",
+            "Apply autocast and clipping inside the object's step(), or pass a step function.",
+        )
+    check_dataset(dataset)
+    sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
+                             micro_batch_size=micro_batch_size)
     loop = _ElasticLoop(
-        build=build, step=step, dataset=dataset, checkpoint=checkpoint, limits=limits,
-        sampler=ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
-                               micro_batch_size=micro_batch_size),
-        max_failed_steps=max_failed_steps, reform_timeout=reform_timeout, collate=collate,
-        seed=seed,
+        build=build, step=step, checkpoint=checkpoint, limits=limits, sampler=sampler,
+        batches=BatchSource(dataset, sampler, loader or LoaderOptions(collate_fn=collate)),
+        options=StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
+                            clip_grad_norm=clip_grad_norm),
+        max_failed_steps=max_failed_steps, reform_timeout=reform_timeout, seed=seed,
+        on_step=on_step,
     )  # fmt: skip
     return loop.run(max_steps)
 
 
 class _ElasticLoop:
-    def __init__(self, *, build: BuildFn, step: StepFn | None, dataset: Sequence[Any],
-                 checkpoint: Checkpointer | None, limits: ModelLimits, sampler: ElasticSampler,
-                 max_failed_steps: int, reform_timeout: timedelta,
-                 collate: Callable[[list[Any]], Any], seed: int) -> None:
-        self.build, self.step_fn, self.dataset = build, step, dataset
+    def __init__(self, *, build: BuildFn, step: StepFn | None, checkpoint: Checkpointer | None,
+                 limits: ModelLimits, sampler: ElasticSampler, batches: BatchSource,
+                 options: StepOptions, max_failed_steps: int, reform_timeout: timedelta,
+                 seed: int, on_step: Callable[[StepReport], None] | None) -> None:
+        self.build, self.step_fn = build, step
         self.owns_step = step is None
         self.checkpoint, self.limits, self.sampler = checkpoint, limits, sampler
+        self.batches, self.options, self.on_step = batches, options, on_step
         self.max_failed_steps, self.reform_timeout = max_failed_steps, reform_timeout
-        self.collate, self.seed = collate, seed
+        self.seed = seed
+        self.trainer: ReplicatedStep | None = None  # the runtime's step of a TrainState
         self.env = WorkerEnv.from_env()
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
@@ -228,6 +290,9 @@ class _ElasticLoop:
                     break
                 except NewerRound:
                     logger.info("newer round pending; re-forming at step %d", self.progress.step)
+                except UserCodeError as exc:
+                    self.end_job(exc)
+                    raise
                 except (RuntimeError, dist.DistError) as exc:
                     self.on_failure(round_, exc)
                     self._release_groups()
@@ -245,12 +310,14 @@ class _ElasticLoop:
             if self.follower and self.ctx and self.follower.has_newer_round(self.ctx.round):
                 raise NewerRound()
             self.progress.is_dirty = not self._is_step_atomic()
-            loss = self.train_step()
+            self._set_step(self.progress.step + 1)
+            local_loss, contribution = self.train_step()
+            global_loss = self._global_loss(contribution) if self.on_step else None
             self.sampler.advance()
             self.progress.step += 1
             self.progress.is_dirty = False
             self.progress.failed_attempts = 0
-            self._after_step(loss)
+            self._after_step(local_loss, global_loss)
 
     # recovery phases --------------------------------------------------------------
     def reform_groups(self, round_: Round | None) -> None:
@@ -299,27 +366,36 @@ class _ElasticLoop:
             return
         if self.state is None:
             self.state = self.build(self.ctx.layout)
+            assert self.step_fn is not None
+            self.trainer = ReplicatedStep(self.state, self.step_fn, self.options)
+        assert self.trainer is not None
         src, best = pick_source(self.progress.step, self.groups.world)
         if best < 0:
             self._first_restore()
-            self._phase("state.restored", began, source="checkpoint-or-init")
-            return
-        payload = {
-            "train": self.state.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "step": self.progress.step,
-        }
-        payload = broadcast_state(payload, src, self.groups.world)
-        self.state.load_state_dict(payload["train"])
-        self.sampler.load_state_dict(payload["sampler"])
-        self.progress.step = int(payload["step"])
-        self._phase("state.restored", began, source=f"rank {src}")
+            source = "checkpoint-or-init"
+        else:
+            payload = {
+                "train": self.state.state_dict(),
+                "runtime": self.trainer.runtime_state(),
+                "sampler": self.sampler.state_dict(),
+                "step": self.progress.step,
+            }
+            payload = broadcast_state(payload, src, self.groups.world)
+            self.state.load_state_dict(payload["train"])
+            self.trainer.load_runtime_state(payload["runtime"])
+            self.sampler.load_state_dict(payload["sampler"])
+            self.progress.step = int(payload["step"])
+            source = f"rank {src}"
+        self.trainer.bind(self.groups.dp)
+        self._phase("state.restored", began, source=source)
 
     def _first_restore(self) -> None:
         """No rank holds state: the newest committed checkpoint, else rank 0's init."""
-        assert self.state is not None and self.groups is not None
+        assert self.state is not None and self.groups is not None and self.trainer is not None
         if self.checkpoint is not None:
-            fresh_optimizer = not self.state.optimizer.state
+            # A checkpoint loads into existing tensors, so an empty optimizer gets its
+            # state first, without a user-visible optimizer.step().
+            fresh_optimizer = initialize_optimizer_state(self.state.optimizer)
             state = self._checkpoint_state()
             try:
                 info = self.checkpoint.load(state, process_group=self.groups.world)
@@ -329,12 +405,14 @@ class _ElasticLoop:
                 self._load_checkpoint_state(state)
                 self.sampler.load_state_dict(info.extra["sampler"])
                 self.state.extras = dict(info.extra.get("extras", {}))
+                if self.state.scheduler is not None and info.extra.get("scheduler"):
+                    self.state.scheduler.load_state_dict(info.extra["scheduler"])
+                self.trainer.load_runtime_state(info.extra.get("runtime", {}))
                 self.progress.step = int(info.extra["step"])
                 return
             if fresh_optimizer:
-                # get_state_dict() filled the empty optimizer state with a zero-grad step
-                # (Adam's step count 1, so its bias correction would lag one step behind
-                # a run without checkpoints); nothing was loaded, so start fresh again.
+                # Nothing was loaded: drop the zero-step state (Adam's step count 1 would
+                # make its bias correction lag one step behind a run without checkpoints).
                 self.state.optimizer.state.clear()
         synced = broadcast_state(self.state.model.state_dict(), 0, self.groups.world)
         self.state.model.load_state_dict(synced)
@@ -405,6 +483,7 @@ class _ElasticLoop:
     def resplit(self) -> None:
         assert self.ctx is not None
         self.sampler.set_world(self.ctx.dp_rank, self.ctx.dp_size)
+        self.batches.reset()  # batches prefetched for the old split are dropped
 
     def on_failure(self, round_: Round | None, exc: BaseException) -> None:
         self.progress.failed_attempts += 1
@@ -421,6 +500,22 @@ class _ElasticLoop:
         if self.follower and round_:
             self.follower.report_failure(round_)
 
+    def end_job(self, exc: UserCodeError) -> None:
+        """The user's code raised: stop the job on every node instead of retrying it.
+
+        Closing the run makes every agent stop its workers and exit non-zero with this
+        root cause; peers blocked in a collective with us fail, find the run closed and
+        stop too. Nothing is committed (a checkpoint in flight finishes first).
+        """
+        logger.error("%s (user code; the job ends, not retried)", str(exc))
+        self.events.emit("step.failed", round=self.ctx.round if self.ctx else None,
+                         step=exc.step, error=str(exc))
+        if self.follower is not None:
+            try:
+                self.follower.registry.close(f"failed: {str(exc)}")
+            except StoreError as store_exc:
+                logger.warning("could not close the run: %s", store_exc)
+
     def wait_for_round(self, round_: Round | None) -> Round:
         assert self.follower is not None and round_ is not None
         began = time.monotonic()
@@ -430,29 +525,39 @@ class _ElasticLoop:
         return new_round
 
     # one training step ------------------------------------------------------------
-    def train_step(self) -> float:
-        assert self.state is not None and self.groups is not None
+    def train_step(self) -> tuple[float, float]:
+        """(this rank's mean loss, its part of the global-batch mean) of one step."""
+        assert self.state is not None and self.ctx is not None
+        step = self.progress.step + 1
         # Seeded per step, not per process: a retried or re-split step draws the same numbers.
-        torch.manual_seed(self.seed * 1_000_003 + self.progress.step + 1)
+        torch.manual_seed(self.seed * 1_000_003 + step)
+        with user_code(rank=self.ctx.rank, step=step):
+            micro_batches = self.batches.next_step()
         if self.owns_step:
-            return float(self.state.step(self.collate([self.dataset[i]
-                                                       for i in self.sampler.local_batch()])))
-        model, optimizer = self.state.model, self.state.optimizer
-        optimizer.zero_grad(set_to_none=False)
-        total = 0.0
-        for micro in self.sampler.micro_batches():
-            if not micro:
-                continue
-            loss = self.step_fn(self.state, self.collate([self.dataset[i] for i in micro]))
-            # loss_scale() weighs this micro-batch for a mean over dp ranks; we sum instead.
-            scaled = loss * (self.sampler.loss_scale(micro) / self.sampler.dp_size)
-            scaled.backward()
-            total += float(scaled.detach())
-        _all_reduce_gradients(model, self.groups.dp)
-        optimizer.step()
-        return total
+            with user_code(rank=self.ctx.rank, step=step):
+                batch = micro_batches[0][0] if micro_batches else self.batches.collate([])
+                loss = float(self.state.step(batch))
+            return loss, loss / max(self.ctx.dp_size, 1)
+        assert self.trainer is not None
+        result = self.trainer.run(micro_batches, global_len=len(self.sampler.global_batch()),
+                                  rank=self.ctx.rank, step=step)
+        return result.local_mean, result.contribution
 
-    def _after_step(self, loss: float) -> None:
+    def _global_loss(self, contribution: float) -> float:
+        """The global-batch mean loss: the sum of every data-parallel rank's part."""
+        assert self.groups is not None
+        total = torch.tensor([contribution], dtype=torch.float64)
+        if dist.get_world_size(self.groups.dp) > 1:
+            dist.all_reduce(total, group=self.groups.dp)
+        return float(total)
+
+    def _set_step(self, step: int) -> None:
+        """Publish the step being trained through :func:`elastic_rt.context`."""
+        assert self.ctx is not None
+        self.ctx = dataclasses.replace(self.ctx, step=step)
+        set_context(self.ctx)
+
+    def _after_step(self, loss: float, global_loss: float | None) -> None:
         assert self.ctx is not None
         step = self.progress.step
         if self.progress.failed_at is not None:
@@ -460,20 +565,34 @@ class _ElasticLoop:
             self.events.emit("step.resumed", round=self.ctx.round, step=step,
                              downtime_ms=int(downtime * 1000), world_size=self.ctx.world_size)
             self.progress.failed_at = None
-        self.events.emit("step.completed", round=self.ctx.round, step=step, loss=loss,
-                         world_size=self.ctx.world_size)
+        extra = {} if global_loss is None else {"global_loss": global_loss}
+        self.events.emit("step.completed", round=self.ctx.round, step=step,
+                         loss=None if math.isnan(loss) else loss,
+                         world_size=self.ctx.world_size, **extra)
+        if self.on_step is not None and global_loss is not None:
+            self.on_step(StepReport(step=step, loss=global_loss, local_loss=loss,
+                                    world_size=self.ctx.world_size, round=self.ctx.round))
         if self.checkpoint is not None and self.checkpoint.should_save(step):
             assert self.groups is not None
             try:
                 self.checkpoint.save(
                     step, self._checkpoint_state(), layout=self.ctx.layout.to_dict(),
-                    extra={"step": step, "sampler": self.sampler.state_dict(),
-                           "extras": getattr(self.state, "extras", {})},
+                    extra=self._checkpoint_extra(step),
                     process_group=self.groups.world,
                 )  # fmt: skip
             except (FencedOutError, CheckpointError) as exc:
                 # The previous save did not commit; the one before it stays the latest.
                 logger.warning("checkpoint before step %d not committed: %s", step, exc)
+
+    def _checkpoint_extra(self, step: int) -> dict[str, Any]:
+        """The JSON-able state saved beside the tensors: position, schedule, scaler."""
+        extra: dict[str, Any] = {"step": step, "sampler": self.sampler.state_dict(),
+                                 "extras": getattr(self.state, "extras", {})}
+        if self.trainer is not None:
+            extra["runtime"] = self.trainer.runtime_state()
+            if self.trainer.state.scheduler is not None:
+                extra["scheduler"] = self.trainer.state.scheduler.state_dict()
+        return extra
 
     def _finish_checkpoint(self) -> None:
         if self.checkpoint is None:
@@ -518,6 +637,8 @@ class _ElasticLoop:
         """
         self.ctx = None
         set_context(None)
+        if self.trainer is not None:
+            self.trainer.unbind()  # its buckets hold the group
         destroy_groups(self.groups)
         self.groups = None
 
@@ -546,34 +667,14 @@ class _ElasticLoop:
 
     def shutdown(self) -> None:
         # context() keeps describing the last round, so the script can tell its final rank.
+        self.batches.close()
+        if self.trainer is not None:
+            self.trainer.unbind()
         destroy_groups(self.groups)
         self.groups = None
         self.store = None
         if self.follower:
             self.follower.close()
-
-
-def _all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Sum gradients over the data-parallel group in one flat buffer.
-
-    Each rank's loss was scaled by its share of the global batch, so the sum is the
-    gradient of the global-batch mean, for uneven shares too.
-    """
-    if dist.get_world_size(group) == 1:
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:  # a rank with an empty share still joins the reduction
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def _collective_timeout(env: WorkerEnv) -> timedelta:
