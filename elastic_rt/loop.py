@@ -78,6 +78,7 @@ from elastic_rt.errors import (
     ConfigError,
     ElasticError,
     FencedOutError,
+    RendezvousClosedError,
     StoreError,
     UserCodeError,
 )
@@ -291,14 +292,21 @@ class _ElasticLoop:
                 except NewerRound:
                     logger.info("newer round pending; re-forming at step %d", self.progress.step)
                 except UserCodeError as exc:
+                    if self.follower is None:
+                        raise
                     self.end_job(exc)
-                    raise
+                    raise SystemExit(1) from None  # the job is over; its traceback is out
                 except (RuntimeError, dist.DistError) as exc:
                     self.on_failure(round_, exc)
                     self._release_groups()
                 if self.follower is None:
-                    raise ElasticError("a collective failed outside elastic-rt launch; cannot recover")
-                round_ = self.wait_for_round(round_)
+                    raise ElasticError(
+                        "a collective failed outside elastic-rt launch; cannot recover")
+                try:
+                    round_ = self.wait_for_round(round_)
+                except RendezvousClosedError as exc:
+                    logger.error("%s", exc)  # its root cause is the agents' and the failed rank's
+                    raise SystemExit(1) from None
             self._finish_checkpoint()
         finally:
             self.shutdown()
@@ -489,7 +497,8 @@ class _ElasticLoop:
         self.progress.failed_attempts += 1
         self.progress.failed_at = time.monotonic()
         logger.warning("step %d failed in round %s: %s", self.progress.step + 1,
-                       round_.number if round_ else "-", str(exc).splitlines()[0] if str(exc) else exc)
+                       round_.number if round_ else "-",
+                       str(exc).splitlines()[0] if str(exc) else exc)
         self.events.emit("step.retried", round=round_.number if round_ else None,
                          step=self.progress.step + 1, error=type(exc).__name__,
                          attempt=self.progress.failed_attempts)
@@ -503,18 +512,19 @@ class _ElasticLoop:
     def end_job(self, exc: UserCodeError) -> None:
         """The user's code raised: stop the job on every node instead of retrying it.
 
-        Closing the run makes every agent stop its workers and exit non-zero with this
-        root cause; peers blocked in a collective with us fail, find the run closed and
-        stop too. Nothing is committed (a checkpoint in flight finishes first).
+        The traceback and the one-line root cause go out first: closing the run makes
+        every agent stop its workers (this one too) and exit non-zero with that root
+        cause; peers blocked in a collective with us fail, find the run closed and stop.
         """
-        logger.error("%s (user code; the job ends, not retried)", str(exc))
+        assert self.follower is not None
+        logger.error("user code failed:", exc_info=exc.__cause__)
+        logger.error("%s (an error in the user's code: the job ends, it is not retried)", exc)
         self.events.emit("step.failed", round=self.ctx.round if self.ctx else None,
                          step=exc.step, error=str(exc))
-        if self.follower is not None:
-            try:
-                self.follower.registry.close(f"failed: {str(exc)}")
-            except StoreError as store_exc:
-                logger.warning("could not close the run: %s", store_exc)
+        try:
+            self.follower.registry.close(f"failed: {exc}")
+        except StoreError as store_exc:
+            logger.warning("could not close the run: %s", store_exc)
 
     def wait_for_round(self, round_: Round | None) -> Round:
         assert self.follower is not None and round_ is not None

@@ -91,7 +91,7 @@ class BatchSource:
         self.sampler = sampler
         self.collate = options.collate_fn
         workers = options.num_workers
-        self.loader = DataLoader(
+        self.loader: DataLoader[Any] = DataLoader(
             dataset,  # type: ignore[arg-type]  # any map-style object, not only Dataset
             batch_sampler=_IndexStream(sampler),
             num_workers=workers,

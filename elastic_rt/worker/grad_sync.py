@@ -31,20 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
+from torch.futures import Future
 
-CommHook = Callable[[dist.ProcessGroup, torch.Tensor], torch.futures.Future[torch.Tensor]]
+CommHook = Callable[[dist.ProcessGroup, torch.Tensor], Future[torch.Tensor]]
 """Reduces one bucket over the group to its sum; returns a future of the result, which
 may be the bucket itself (reduced in place) or a new tensor of its shape and dtype."""
 
 
-def allreduce_sum(group: dist.ProcessGroup, bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+def allreduce_sum(group: dist.ProcessGroup, bucket: torch.Tensor) -> Future[torch.Tensor]:
     """The default hook: one all-reduce, in place."""
     work = dist.all_reduce(bucket, group=group, async_op=True)
     assert work is not None  # async_op=True always returns a Work
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def bf16_compress(group: dist.ProcessGroup, bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+def bf16_compress(group: dist.ProcessGroup, bucket: torch.Tensor) -> Future[torch.Tensor]:
     """Halve the bytes on the wire: reduce a bfloat16 copy, then widen it back."""
     compressed = bucket.to(torch.bfloat16)
     work = dist.all_reduce(compressed, group=group, async_op=True)
@@ -72,7 +73,7 @@ class _Bucket:
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:
-            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            self.views.append(self.buffer.narrow(0, offset, p.numel()).view_as(p))
             offset += p.numel()
         self.pending = len(params)
 
@@ -96,7 +97,7 @@ class GradientBuckets:
         self.buckets = _make_buckets(params[::-1], options)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self._futures: list[torch.futures.Future[torch.Tensor]] = []
+        self._futures: list[Future[torch.Tensor]] = []
         self._next = 0
         self._is_last_backward = False
         for bucket in self.buckets:
