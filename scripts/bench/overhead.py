@@ -149,7 +149,8 @@ def _report(cases: list[str], steps: dict[tuple[str, str], list[float]],
         step_ratio = median(steps[ours]) / median(steps[twin])  # type: ignore[operator]
         rss_ratio = max(peaks[ours]) / max(peaks[twin])
         for key in (ours, twin):
-            rows.append([case, key[1], fmt(median(steps[key]) * 1000, ".1f"),  # type: ignore[operator]
+            ms = median(steps[key]) * 1000  # type: ignore[operator]
+            rows.append([case, key[1], fmt(ms, ".1f"),
                          " ".join(f"{x * 1000:.1f}" for x in steps[key]), f"{max(peaks[key]):.0f}"])
         verdicts.append(f"{case}: step time {step_ratio:.3f}x torchrun+DDP (target <= 1.02: "
                         f"{'met' if step_ratio <= 1.02 else 'MISSED'}), peak RSS {rss_ratio:.3f}x "
