@@ -49,11 +49,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule", action="store_true", help="a step-decay LR schedule")
     p.add_argument("--fail-at-step", type=int, default=None,
                    help="rank 0 raises a user error (a shape mismatch) at this step")
+    p.add_argument("--hook-count", default=None,
+                   help="rank 0 writes how often its optimizer's step hooks ran here")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    hook_calls: list[int] = []
 
     def build(layout: ert.Layout) -> ert.TrainState:
         """Model and optimizer; called once per worker (survivors keep theirs)."""
@@ -62,6 +65,7 @@ def main() -> None:
             torch.nn.Linear(args.width, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer.register_step_post_hook(lambda *_: hook_calls.append(1))
         # the runtime steps the scheduler once per optimizer step and restores its state
         scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.8)
                      if args.schedule else None)
@@ -93,6 +97,9 @@ def main() -> None:
     if args.out and ert.context().rank == 0:
         torch.save({k: v.detach().clone() for k, v in state.model.state_dict().items()}, args.out)
         print(json.dumps({"final_loss_params": args.out}))
+    if args.hook_count and ert.context().rank == 0:
+        with open(args.hook_count, "w") as f:
+            f.write(str(len(hook_calls)))
 
 
 if __name__ == "__main__":

@@ -90,13 +90,16 @@ def test_schedule_and_scaler_come_back_from_a_checkpoint_when_the_job_is_relaunc
                  nnodes="1")
     _finished(part, first / "a.log")
     rest = _node(process_tree, etcd_server, run_id + "-again", second, "a", "--steps", "30",
-                 *common, "--out", str(second / "params.pt"), nnodes="1")
+                 *common, "--out", str(second / "params.pt"), "--hook-count",
+                 str(second / "hooks"), nnodes="1")
     _finished(rest, second / "a.log")
     _finished(reference, ref / "solo.log")
 
     _assert_same_parameters(second / "params.pt", ref / "params.pt")
     resumed = [e.step for e in events(second / "events.jsonl") if e.name == "step.completed"]
     assert resumed == list(range(21, 31)), resumed  # restored at step 20, not from scratch
+    # the restore built the optimizer's state without a user-visible optimizer.step()
+    assert (second / "hooks").read_text() == "10"
 
 
 def test_a_user_exception_ends_the_job_once_with_its_traceback_and_root_cause(
