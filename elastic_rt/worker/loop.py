@@ -56,25 +56,18 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.utils.data import default_collate
 
 from elastic_rt.checkpoint import Checkpointer
 from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV, WorkerEnv
-from elastic_rt.worker_context import Context, set_context
 from elastic_rt.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     ConfigError,
     ElasticError,
     FencedOutError,
@@ -83,52 +76,28 @@ from elastic_rt.errors import (
     UserCodeError,
 )
 from elastic_rt.events import EventSink
-from elastic_rt.layout import Layout, ModelLimits, plan_layout
+from elastic_rt.layout import ModelLimits, plan_layout
 from elastic_rt.membership import RoundFollower
 from elastic_rt.pg_store import NewerRound, join_round_store, wait_for_ranks
 from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.shard_sync import Holder, broadcast_shards, gather_holders, pick_shard_sources
-from elastic_rt.state_sync import broadcast_state, pick_source
-from elastic_rt.train_state import TrainState
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, check_dataset
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
-from elastic_rt.worker.replicated import (
-    ReplicatedStep,
-    StepOptions,
-    initialize_optimizer_state,
+from elastic_rt.worker.replicated import StepFn, StepOptions
+from elastic_rt.worker.trainers import (
+    BuildFn,
+    OwnedStepTrainer,
+    Progress,
+    ReplicatedTrainer,
+    Restoring,
+    Trainer,
 )
+from elastic_rt.worker_context import Context, set_context
 
 logger = logging.getLogger(__name__)
-
-
-class SteppedModel(Protocol):
-    """What ``build`` returns when it owns its step (``run(step=None)``): one rank's piece.
-
-    ``step`` trains one step on this rank's data-parallel share of the global batch and
-    returns the global batch's loss; it must scale its loss by the global batch size
-    (fixed for the run), not by the share's. Replicas must be built identical (seeded).
-
-    An object may set ``is_step_atomic = True`` when ``step`` applies its update only after
-    its last collective, so that a step that raises (a peer died) has changed no parameter
-    or optimizer state. Its state then still counts after a failed step, and surviving
-    replicas can restore a lost one with no steps lost; without it, a failed step means the
-    checkpoint.
-    """
-
-    def step(self, batch: Any) -> float: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-BuildFn = Callable[[Layout], Any]
-"""Returns a :class:`TrainState`, or a :class:`SteppedModel` when ``step`` is None."""
-StepFn = Callable[[TrainState, Any], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,19 +111,6 @@ class StepReport:
     """The mean loss over this rank's samples."""
     world_size: int
     round: int
-
-
-@dataclass
-class _Progress:
-    step: int = -1
-    """Committed steps; -1 until this rank holds state."""
-    is_dirty: bool = False
-    """The state may not match ``step``: a step or a restore started and did not finish
-    (an owned step may have applied its update before a later collective failed)."""
-    failed_attempts: int = 0
-    failed_at: float | None = None
-    reform_started: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def run(
@@ -225,11 +181,13 @@ def run(
     check_dataset(dataset)
     sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
                              micro_batch_size=micro_batch_size)
+    options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
+                          clip_grad_norm=clip_grad_norm)
+    trainer: Trainer = (OwnedStepTrainer(build) if step is None
+                        else ReplicatedTrainer(build, step, options))
     loop = _ElasticLoop(
-        build=build, step=step, checkpoint=checkpoint, limits=limits, sampler=sampler,
+        trainer=trainer, checkpoint=checkpoint, limits=limits, sampler=sampler,
         batches=BatchSource(dataset, sampler, loader or LoaderOptions(collate_fn=collate)),
-        options=StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
-                            clip_grad_norm=clip_grad_norm),
         max_failed_steps=max_failed_steps, reform_timeout=reform_timeout, seed=seed,
         on_step=on_step,
     )  # fmt: skip
@@ -237,17 +195,15 @@ def run(
 
 
 class _ElasticLoop:
-    def __init__(self, *, build: BuildFn, step: StepFn | None, checkpoint: Checkpointer | None,
+    def __init__(self, *, trainer: Trainer, checkpoint: Checkpointer | None,
                  limits: ModelLimits, sampler: ElasticSampler, batches: BatchSource,
-                 options: StepOptions, max_failed_steps: int, reform_timeout: timedelta,
-                 seed: int, on_step: Callable[[StepReport], None] | None) -> None:
-        self.build, self.step_fn = build, step
-        self.owns_step = step is None
+                 max_failed_steps: int, reform_timeout: timedelta, seed: int,
+                 on_step: Callable[[StepReport], None] | None) -> None:
+        self.trainer = trainer
         self.checkpoint, self.limits, self.sampler = checkpoint, limits, sampler
-        self.batches, self.options, self.on_step = batches, options, on_step
+        self.batches, self.on_step = batches, on_step
         self.max_failed_steps, self.reform_timeout = max_failed_steps, reform_timeout
         self.seed = seed
-        self.trainer: ReplicatedStep | None = None  # the runtime's step of a TrainState
         self.env = WorkerEnv.from_env()
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
@@ -261,12 +217,10 @@ class _ElasticLoop:
             # while we are still starting does not make it restart us.
             self.follower.announce()
         self.collective_timeout = _collective_timeout(self.env)
-        self.state: Any = None  # a TrainState, or a SteppedModel when the object owns its step
-        self.built_for: tuple[Layout, int] | None = None  # (layout, rank) of an owned state
         self.groups: Groups | None = None
         self.ctx: Context | None = None
         self.store: dist.Store | None = None
-        self.progress = _Progress()
+        self.progress = Progress()
         if checkpoint is not None and self.follower is not None:
             checkpoint.bind(
                 pointer=FencedPointer(self.follower.registry, checkpoint.url, self._token),
@@ -310,14 +264,13 @@ class _ElasticLoop:
             self._finish_checkpoint()
         finally:
             self.shutdown()
-        assert self.state is not None
-        return self.state
+        return self.trainer.result()
 
     def train(self, max_steps: int) -> None:
         while self.progress.step < max_steps:
             if self.follower and self.ctx and self.follower.has_newer_round(self.ctx.round):
                 raise NewerRound()
-            self.progress.is_dirty = not self._is_step_atomic()
+            self.progress.is_dirty = not self.trainer.is_step_atomic()
             self._set_step(self.progress.step + 1)
             local_loss, contribution = self.train_step()
             global_loss = self._global_loss(contribution) if self.on_step else None
@@ -367,126 +320,10 @@ class _ElasticLoop:
 
     def restore(self) -> None:
         began = time.monotonic()
-        assert self.groups is not None and self.ctx is not None
-        if self.owns_step:
-            source = self._restore_owned()
-            self._phase("state.restored", began, source=source)
-            return
-        if self.state is None:
-            self.state = self.build(self.ctx.layout)
-            assert self.step_fn is not None
-            self.trainer = ReplicatedStep(self.state, self.step_fn, self.options)
-        assert self.trainer is not None
-        src, best = pick_source(self.progress.step, self.groups.world)
-        if best < 0:
-            self._first_restore()
-            source = "checkpoint-or-init"
-        else:
-            payload = {
-                "train": self.state.state_dict(),
-                "runtime": self.trainer.runtime_state(),
-                "sampler": self.sampler.state_dict(),
-                "step": self.progress.step,
-            }
-            payload = broadcast_state(payload, src, self.groups.world)
-            self.state.load_state_dict(payload["train"])
-            self.trainer.load_runtime_state(payload["runtime"])
-            self.sampler.load_state_dict(payload["sampler"])
-            self.progress.step = int(payload["step"])
-            source = f"rank {src}"
-        self.trainer.bind(self.groups.dp)
+        assert self.ctx is not None
+        source = self.trainer.restore(Restoring(ctx=self.ctx, checkpoint=self.checkpoint,
+                                                sampler=self.sampler, progress=self.progress))
         self._phase("state.restored", began, source=source)
-
-    def _first_restore(self) -> None:
-        """No rank holds state: the newest committed checkpoint, else rank 0's init."""
-        assert self.state is not None and self.groups is not None and self.trainer is not None
-        if self.checkpoint is not None:
-            # A checkpoint loads into existing tensors, so an empty optimizer gets its
-            # state first, without a user-visible optimizer.step().
-            fresh_optimizer = initialize_optimizer_state(self.state.optimizer)
-            state = self._checkpoint_state()
-            try:
-                info = self.checkpoint.load(state, process_group=self.groups.world)
-            except CheckpointNotFoundError:
-                info = None
-            if info is not None:
-                self._load_checkpoint_state(state)
-                self.sampler.load_state_dict(info.extra["sampler"])
-                self.state.extras = dict(info.extra.get("extras", {}))
-                if self.state.scheduler is not None and info.extra.get("scheduler"):
-                    self.state.scheduler.load_state_dict(info.extra["scheduler"])
-                self.trainer.load_runtime_state(info.extra.get("runtime", {}))
-                self.progress.step = int(info.extra["step"])
-                return
-            if fresh_optimizer:
-                # Nothing was loaded: drop the zero-step state (Adam's step count 1 would
-                # make its bias correction lag one step behind a run without checkpoints).
-                self.state.optimizer.state.clear()
-        synced = broadcast_state(self.state.model.state_dict(), 0, self.groups.world)
-        self.state.model.load_state_dict(synced)
-        self.progress.step = 0
-
-    def _restore_owned(self) -> str:
-        """Rebuild the object for this round's layout; fill it from replicas, else a checkpoint.
-
-        Returns where the state came from, for the ``state.restored`` event.
-        """
-        assert self.groups is not None and self.ctx is not None
-        old, built_for = self.state, self.built_for
-        mine = Holder.of(step=self.progress.step, is_clean=not self.progress.is_dirty,
-                         layout=built_for[0] if built_for else None,
-                         rank=built_for[1] if built_for else None)
-        holders = gather_holders(mine, self.groups.world)
-        # The old object's groups are gone, so everybody builds anew (it may hold its
-        # state until the broadcast below has read it).
-        self.progress.is_dirty = True  # until the new object holds the state of `step`
-        self.state, self.built_for = self.build(self.ctx.layout), (self.ctx.layout, self.ctx.rank)
-        found = pick_shard_sources(holders, self.ctx.layout)
-        if found is not None:
-            step, sources = found
-            coords = self.ctx.layout.coords(self.ctx.rank)
-            payload = broadcast_shards(
-                lambda: {"trainer": old.state_dict(), "sampler": self.sampler.state_dict()},
-                sources, (coords.pp, coords.tp), self.groups.world,
-            )  # fmt: skip
-            self.state.load_state_dict(payload["trainer"])
-            self.sampler.load_state_dict(payload["sampler"])
-            self.progress.step, self.progress.is_dirty = step, False
-            return "replicas"
-        old = None  # free its tensors before the checkpoint is read
-        last = max(h.last_step for h in holders)
-        source = self._load_owned_checkpoint(had_state=last >= 0)
-        self.progress.is_dirty = False
-        if last >= 0:
-            logger.warning("no surviving replica of every shard at one step; rolled back from "
-                           "step %d to %d", last, self.progress.step)
-        return source
-
-    def _load_owned_checkpoint(self, *, had_state: bool) -> str:
-        """The newest committed checkpoint, resharded; the initial state on a fresh start.
-
-        Raises:
-            ElasticError: state was lost with no checkpoint to roll back to.
-        """
-        assert self.groups is not None
-        info = None
-        if self.checkpoint is not None:
-            try:
-                info = self.checkpoint.load(self._checkpoint_state(),
-                                            process_group=self.groups.world)
-            except CheckpointNotFoundError:
-                info = None
-        if info is not None:
-            self.sampler.load_state_dict(info.extra["sampler"])
-            self.progress.step = int(info.extra["step"])
-            return f"checkpoint {info.name}"
-        if had_state:
-            raise ElasticError(
-                f"a model shard was lost at step {self.progress.step} with no surviving replica "
-                "and no committed checkpoint; pass checkpoint=Checkpointer(url, every_steps=N)"
-            )
-        self.progress.step = 0
-        return "init"
 
     def resplit(self) -> None:
         assert self.ctx is not None
@@ -529,7 +366,6 @@ class _ElasticLoop:
     def wait_for_round(self, round_: Round | None) -> Round:
         assert self.follower is not None and round_ is not None
         began = time.monotonic()
-        self.progress.reform_started = self.progress.failed_at or began
         new_round = self.follower.wait_for_round(round_.number, self.reform_timeout)
         self._phase("round.formed", began, round=new_round.number, world_size=new_round.world_size)
         return new_round
@@ -537,21 +373,14 @@ class _ElasticLoop:
     # one training step ------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
         """(this rank's mean loss, its part of the global-batch mean) of one step."""
-        assert self.state is not None and self.ctx is not None
+        assert self.ctx is not None
         step = self.progress.step + 1
         # Seeded per step, not per process: a retried or re-split step draws the same numbers.
         torch.manual_seed(self.seed * 1_000_003 + step)
         with user_code(rank=self.ctx.rank, step=step):
             micro_batches = self.batches.next_step()
-        if self.owns_step:
-            with user_code(rank=self.ctx.rank, step=step):
-                batch = micro_batches[0][0] if micro_batches else self.batches.collate([])
-                loss = float(self.state.step(batch))
-            return loss, loss / max(self.ctx.dp_size, 1)
-        assert self.trainer is not None
-        result = self.trainer.run(micro_batches, global_len=len(self.sampler.global_batch()),
-                                  rank=self.ctx.rank, step=step)
-        return result.local_mean, result.contribution
+        return self.trainer.train(micro_batches, global_len=len(self.sampler.global_batch()),
+                                  ctx=self.ctx, step=step)
 
     def _global_loss(self, contribution: float) -> float:
         """The global-batch mean loss: the sum of every data-parallel rank's part."""
@@ -586,23 +415,14 @@ class _ElasticLoop:
             assert self.groups is not None
             try:
                 self.checkpoint.save(
-                    step, self._checkpoint_state(), layout=self.ctx.layout.to_dict(),
-                    extra=self._checkpoint_extra(step),
+                    step, self.trainer.checkpoint_state(), layout=self.ctx.layout.to_dict(),
+                    extra={"step": step, "sampler": self.sampler.state_dict(),
+                           **self.trainer.checkpoint_extra()},
                     process_group=self.groups.world,
                 )  # fmt: skip
             except (FencedOutError, CheckpointError) as exc:
                 # The previous save did not commit; the one before it stays the latest.
                 logger.warning("checkpoint before step %d not committed: %s", step, exc)
-
-    def _checkpoint_extra(self, step: int) -> dict[str, Any]:
-        """The JSON-able state saved beside the tensors: position, schedule, scaler."""
-        extra: dict[str, Any] = {"step": step, "sampler": self.sampler.state_dict(),
-                                 "extras": getattr(self.state, "extras", {})}
-        if self.trainer is not None:
-            extra["runtime"] = self.trainer.runtime_state()
-            if self.trainer.state.scheduler is not None:
-                extra["scheduler"] = self.trainer.state.scheduler.state_dict()
-        return extra
 
     def _finish_checkpoint(self) -> None:
         if self.checkpoint is None:
@@ -612,30 +432,6 @@ class _ElasticLoop:
         except (FencedOutError, CheckpointError, RuntimeError) as exc:
             # RuntimeError: a peer died under the write; the previous commit stays the latest.
             logger.warning("last checkpoint not committed: %s", exc)
-
-    def _checkpoint_state(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by parameter name, so it reshards.
-
-        An optimizer's own state_dict keys its state by parameter index, which
-        collides between pipeline stages; the flattened form names each entry.
-        An object owning its step is stored through its own ``state_dict()``.
-        """
-        assert self.state is not None
-        if self.owns_step:
-            return {"trainer": self.state}
-        model_state, optim_state = get_state_dict(
-            self.state.model, self.state.optimizer,
-            options=StateDictOptions(flatten_optimizer_state_dict=True),
-        )  # fmt: skip
-        return {"model": model_state, "optimizer": optim_state}
-
-    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        assert self.state is not None
-        set_state_dict(
-            self.state.model, self.state.optimizer,
-            model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-            options=StateDictOptions(flatten_optimizer_state_dict=True),
-        )  # fmt: skip
 
     # helpers ------------------------------------------------------------------------
     def _release_groups(self) -> None:
@@ -647,17 +443,9 @@ class _ElasticLoop:
         """
         self.ctx = None
         set_context(None)
-        if self.trainer is not None:
-            self.trainer.unbind()  # its buckets hold the group
+        self.trainer.release()  # e.g. gradient buckets hold the group
         destroy_groups(self.groups)
         self.groups = None
-
-    def _is_step_atomic(self) -> bool:
-        """Whether a step that raises leaves the state as the last committed step left it.
-
-        The runtime's own step updates last; an object owning its step says so itself.
-        """
-        return not self.owns_step or bool(getattr(self.state, "is_step_atomic", False))
 
     def _place(self, round_: Round | None) -> tuple[int, int, int, int]:
         """(rank, world size, token, round number) of this worker in ``round_``."""
@@ -678,8 +466,7 @@ class _ElasticLoop:
     def shutdown(self) -> None:
         # context() keeps describing the last round, so the script can tell its final rank.
         self.batches.close()
-        if self.trainer is not None:
-            self.trainer.unbind()
+        self.trainer.release()
         destroy_groups(self.groups)
         self.groups = None
         self.store = None
