@@ -31,6 +31,7 @@ from datetime import timedelta
 from types import FrameType
 
 from agents.alive import AliveServer, Liveness, probe
+from agents.output import OutputSpec
 from agents.worker_env import worker_envs
 from agents.workers import WorkerExit, WorkerGroup, WorkerState
 from elastic_rt.childproc import owned_temp_dir
@@ -96,6 +97,8 @@ class AgentConfig:
     store_wait: timedelta = timedelta(seconds=30)
     reform_timeout: timedelta = timedelta(seconds=120)
     """In-process workers that have not joined a new round by then are restarted."""
+    output: OutputSpec = OutputSpec()
+    """torchrun's --log-dir, --redirects, --tee, --local-ranks-filter and --role."""
 
 
 class Agent:
@@ -109,7 +112,10 @@ class Agent:
         self.events = EventSink(
             config.events_file, source="agent", run_id=rdzv.run_id, node=config.node_id
         )
-        self.workers = WorkerGroup(grace_period=config.grace_period.total_seconds())
+        self.agent_dir = owned_temp_dir("elastic-rt-agent-")
+        self.workers = WorkerGroup(
+            config.grace_period.total_seconds(), output=config.output, log_dir=self.agent_dir
+        )
         self.alive = AliveServer(config.host)
         self.info = NodeInfo(
             node_id=config.node_id,
@@ -126,7 +132,6 @@ class Agent:
         self.running_round: Round | None = None
         self.restart_count = 0
         self._ever_ran = False
-        self.agent_dir = owned_temp_dir("elastic-rt-agent-")
         self._awaiting_ack: tuple[int, float] | None = None
         """(round, deadline) while in-process workers re-form into a new round."""
         self._alarm_seen = 0

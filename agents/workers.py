@@ -5,6 +5,10 @@ for one worker's tree reaches all of it and nothing else, and gets SIGKILL when
 the agent dies (a parent-death signal, see :mod:`elastic_rt.childproc`). Stopping is SIGTERM to
 the group, then SIGKILL after a grace period, then a sweep of any descendant
 that escaped into another group (found with psutil).
+
+Output follows torchrun's ``--redirects``/``--tee`` plan (:mod:`agents.output`): a
+redirected stream goes straight to its file; a tee'd one through a pipe that a
+thread copies to the file and, prefixed with ``[<role><local_rank>]:``, to ours.
 """
 
 from __future__ import annotations
@@ -15,11 +19,16 @@ import os
 import signal
 import subprocess
 import threading
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from typing import IO
 
 import psutil
 
+from agents.output import OutputSpec, Streams, plan_streams
+from agents.torchrun_env import torchrun_env
 from elastic_rt.childproc import dying_with_parent
 
 logger = logging.getLogger(__name__)
@@ -46,9 +55,19 @@ class WorkerGroup:
     Thread-safe: the lease keeper may call :meth:`stop` while the agent polls.
     """
 
-    def __init__(self, grace_period: float = 5.0) -> None:
+    def __init__(
+        self,
+        grace_period: float = 5.0,
+        output: OutputSpec | None = None,
+        log_dir: str | None = None,
+    ) -> None:
         self.grace_period = grace_period
+        self.output = output or OutputSpec()
+        self._log_dir = self.output.log_dir or log_dir
+        self._run_dir: str | None = None
+        self._attempt = -1
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._tees: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     @property
@@ -61,14 +80,39 @@ class WorkerGroup:
         with self._lock:
             if any(p.poll() is None for p in self._procs):
                 raise RuntimeError("workers still running; stop them first")
-            self._procs = [
-                subprocess.Popen(
-                    dying_with_parent(command), env=env, stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-                for env in envs
-            ]
+            plans = plan_streams(self.output, len(envs), self._next_attempt_dir())
+            self._procs = [self._spawn(command, env, plan) for env, plan in zip(envs, plans)]
             return [p.pid for p in self._procs]
+
+    def _next_attempt_dir(self) -> str:
+        """torchrun's ``attempt_<n>`` under one directory per group (never reused)."""
+        if self._run_dir is None:
+            self._run_dir = tempfile.mkdtemp(prefix="workers_", dir=self._log_dir)
+        self._attempt += 1
+        return os.path.join(self._run_dir, f"attempt_{self._attempt}")
+
+    def _spawn(
+        self, command: list[str], env: dict[str, str], plan: Streams
+    ) -> subprocess.Popen[bytes]:
+        os.makedirs(os.path.dirname(plan.error_file), exist_ok=True)
+        env = torchrun_env(env, error_file=plan.error_file, role=self.output.role)
+        out = _destination(plan.stdout_file, plan.show_stdout)
+        err = _destination(plan.stderr_file, plan.show_stderr)
+        proc = subprocess.Popen(
+            dying_with_parent(command), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+            start_new_session=True,
+        )  # fmt: skip
+        for dest in (out, err):
+            if not isinstance(dest, int) and dest is not None:
+                dest.close()  # the child holds its own copy
+        for pipe, path, console in ((proc.stdout, plan.stdout_file, sys.stdout),
+                                    (proc.stderr, plan.stderr_file, sys.stderr)):  # fmt: skip
+            if pipe is not None and path is not None:
+                args = (pipe, path, console, plan.prefix)
+                tee = threading.Thread(target=_tee, args=args, daemon=True)
+                tee.start()
+                self._tees.append(tee)
+        return proc
 
     def poll(self) -> tuple[WorkerState, list[WorkerExit]]:
         """The group's state and the exits seen so far."""
@@ -111,6 +155,33 @@ class WorkerGroup:
             except psutil.Error:
                 pass
         logger.info("stopped workers %s", [p.pid for p in procs])
+        self._join_tees()
+
+    def _join_tees(self) -> None:
+        """Let tee threads copy what the workers wrote last (their pipes are at EOF now)."""
+        deadline = time.monotonic() + 2.0
+        tees, self._tees = self._tees, []
+        for tee in tees:
+            tee.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _destination(path: str | None, shown: bool) -> int | IO[bytes] | None:
+    """Popen's target for one stream: inherit ours, a file, a tee pipe, or nothing."""
+    if path is None:
+        return None if shown else subprocess.DEVNULL
+    if shown:
+        return subprocess.PIPE
+    return open(path, "ab")
+
+
+def _tee(pipe: IO[bytes], path: str, console: IO[str], prefix: str) -> None:
+    """Copy a worker's stream line by line to its log file and, prefixed, to ours."""
+    with pipe, open(path, "ab") as log:
+        for line in pipe:
+            log.write(line)
+            log.flush()
+            console.write(f"{prefix}{line.decode(errors='replace')}")
+            console.flush()
 
 
 def _descendants(procs: list[subprocess.Popen[bytes]]) -> list[psutil.Process]:
