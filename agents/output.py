@@ -29,16 +29,15 @@ def parse_std(text: str, flag: str) -> Std | dict[int, Std]:
     """``3`` (all local ranks) or ``0:1,1:2`` (per local rank), as torchrun reads it.
 
     Raises:
-        ValueError: with a sentence naming ``flag`` and the accepted forms.
+        ValueError: with a sentence naming ``flag`` and the value.
     """
-    fix = f"{flag} takes 0-3 (1 stdout, 2 stderr, 3 both) or LOCAL_RANK:N pairs like 0:3,1:1"
     try:
         if ":" not in text:
             return Std(_std_value(text))
         pairs = (item.split(":") for item in text.split(","))
         return {int(rank): Std(_std_value(value)) for rank, value in pairs}
     except ValueError:
-        raise ValueError(f"{flag} {text!r} is not a stream setting; {fix}") from None
+        raise ValueError(f"{flag} {text!r} is not a stream setting") from None
 
 
 def _std_value(text: str) -> int:
@@ -61,7 +60,7 @@ def parse_ranks(text: str) -> frozenset[int] | None:
     except ValueError:
         raise ValueError(f"--local-ranks-filter {text!r} is not a list of local ranks") from None
     if min(ranks) < 0:
-        raise ValueError(f"--local-ranks-filter {text!r} names a negative local rank")
+        raise ValueError(f"--local-ranks-filter {text!r} is not a list of local ranks")
     return ranks
 
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 from datetime import timedelta
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence, TypeVar
 
+from agents.output import OutputSpec, parse_ranks, parse_std
 from elastic_rt import config as cfg
+from elastic_rt import torchrun_flags as flags
 from elastic_rt.errors import ConfigError, UnknownURLSchemeError, UserError
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,42 +72,83 @@ def _parser() -> argparse.ArgumentParser:
 
 # launch ---------------------------------------------------------------------------
 def _add_launch(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """torchrun's flags and spellings (docs/torchrun.md maps each one), then ours."""
     p = commands.add_parser("launch", help="run a training script on this node, elastically")
     p.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (torchrun's meaning)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this node")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
+                   help="workers on this node: a number, cpu, gpu, xpu or auto (torchrun's values)")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
-                   help="etcd://host:port of the rendezvous (a cluster: etcd://h1:2379,h2:2379,...); "
-                        "none starts a private etcd on 127.0.0.1")
+                   help="etcd://host:port of the rendezvous (a cluster: "
+                        "etcd://h1:2379,h2:2379,...); none starts a private etcd on 127.0.0.1")
     p.add_argument("--rdzv-backend", "--rdzv_backend", default="etcd", help="only 'etcd' (v3 API)")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
+                   help="torchrun's k=v,... settings: join_timeout, last_call_timeout (seconds)")
+    p.add_argument("--standalone", action="store_true",
+                   help="a private rendezvous on this host (the default when no --rdzv-endpoint)")
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", default="default",
                    help="names the job; two run ids on one etcd never meet")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
                    help="worker failures the whole job absorbs (membership changes are free)")
     p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
                    help="seconds between worker checks")
+    p.add_argument("--start-method", "--start_method", choices=("spawn", "fork", "forkserver"),
+                   default="spawn", help="accepted for torchrun scripts; workers are always new "
+                                         "processes (torchrun ignores it for scripts too)")
+    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=float, default=3.0,
+                   help="seconds from SIGTERM to SIGKILL when stopping workers")
+    _add_output(p)
+    _add_static(p)
     p.add_argument("--lease-ttl", type=int, default=int(os.environ.get(cfg.LEASE_TTL_ENV, 5)),
                    help=f"seconds a silent node stays a member (env {cfg.LEASE_TTL_ENV})")
-    p.add_argument("--last-call", type=float, default=1.0,
-                   help="seconds to wait for more nodes once MIN have joined")
-    p.add_argument("--join-timeout", type=float, default=600.0,
-                   help="seconds to wait for MIN nodes before giving up")
+    p.add_argument("--last-call", type=float, default=None,
+                   help="seconds to wait for more nodes once MIN have joined (default 1)")
+    p.add_argument("--join-timeout", type=float, default=None,
+                   help="seconds to wait for MIN nodes before giving up (default 600)")
     p.add_argument("--node-id", default=None, help="this node's name (default host-pid)")
-    p.add_argument("--local-addr", default=None,
-                   help="address peers reach this node at (default 127.0.0.1 for a loopback endpoint)")
-    p.add_argument("--etcd-port", type=int, default=None, help="client port of the private etcd")
+    p.add_argument("--local-addr", "--local_addr", default=None,
+                   help="address peers reach this node at "
+                        "(default 127.0.0.1 for a loopback endpoint)")
+    p.add_argument("--etcd-port", type=flags.port, default=None,
+                   help="client port of the private etcd")
     p.add_argument("--events-file", default=os.environ.get(cfg.EVENTS_FILE_ENV),
                    help="append JSON-lines events here")
     _add_etcd_auth(p)
+    flags.add_refused(p)
     p.add_argument("-m", "--module", action="store_true", help="run the script as 'python -m'")
-    p.add_argument("--no-python", "--no_python", action="store_true", help="run the script as a program")
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run the script as a program")
+    p.add_argument("--run-path", "--run_path", action="store_true",
+                   help="run the script with runpy.run_path (in a fresh interpreter per worker)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=_launch)
 
 
+def _add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", default="default",
+                   help="ROLE_NAME of the workers and their log prefix")
+    p.add_argument("--log-dir", "--log_dir", default=None,
+                   help="base directory for the workers' log and error files (created if missing)")
+    p.add_argument("-r", "--redirects", default="0",
+                   help="streams into files in --log-dir: 1 stdout, 2 stderr, 3 both, "
+                        "or 0:3,1:2 per local rank")
+    p.add_argument("-t", "--tee", default="0",
+                   help="as --redirects, and also to this console prefixed [<role><local_rank>]:")
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", default="",
+                   help="only these local ranks (e.g. 0,1) reach the console")
+
+
+def _add_static(p: argparse.ArgumentParser) -> None:
+    text = "torchrun's static rendezvous; on one node only (multi-node: --rdzv-endpoint)"
+    p.add_argument("--node-rank", "--node_rank", type=int, default=None, help=text)
+    p.add_argument("--master-addr", "--master_addr", default=None, help=text)
+    p.add_argument("--master-port", "--master_port", type=flags.port, default=None, help=text)
+
+
 def _add_etcd_auth(p: argparse.ArgumentParser) -> None:
     env = os.environ
-    p.add_argument("--etcd-cacert", default=env.get(cfg.ETCD_CACERT_ENV), help="CA of etcd's TLS certificate")
+    p.add_argument("--etcd-cacert", default=env.get(cfg.ETCD_CACERT_ENV),
+                   help="CA of etcd's TLS certificate")
     p.add_argument("--etcd-cert", default=env.get(cfg.ETCD_CERT_ENV), help="client certificate")
     p.add_argument("--etcd-key", default=env.get(cfg.ETCD_KEY_ENV), help="client key")
     p.add_argument("--etcd-user", default=env.get(cfg.ETCD_USER_ENV),
@@ -114,12 +159,14 @@ def _auth(args: argparse.Namespace, tls: bool = False) -> cfg.EtcdAuth:
     for flag in ("etcd_cacert", "etcd_cert", "etcd_key"):
         path = getattr(args, flag)
         if path and not os.path.isfile(path):
-            raise ConfigError(f"--{flag.replace('_', '-')} {path} does not exist", "Pass the path of a PEM file.")
+            raise ConfigError(f"--{flag.replace('_', '-')} {path} does not exist",
+                              "Pass the path of a PEM file.")  # fmt: skip
     if bool(args.etcd_cert) != bool(args.etcd_key):
         raise ConfigError("--etcd-cert and --etcd-key go together", "Pass both or neither.")
     password = os.environ.get(cfg.ETCD_PASSWORD_ENV)
     if args.etcd_user and not password:
-        raise ConfigError(f"--etcd-user {args.etcd_user} has no password", f"Set {cfg.ETCD_PASSWORD_ENV}.")
+        raise ConfigError(f"--etcd-user {args.etcd_user} has no password",
+                          f"Set {cfg.ETCD_PASSWORD_ENV}.")  # fmt: skip
     return cfg.EtcdAuth(
         cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
         user=args.etcd_user, password=password if args.etcd_user else None, tls=tls,
@@ -143,20 +190,92 @@ def parse_endpoint(text: str) -> tuple[str, bool]:
     members = [member.strip().rstrip("/") for member in rest.rstrip("/").split(",")]
     for member in members:
         host, _, port = member.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"rendezvous endpoint {text!r} is not host:port",
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"rendezvous endpoint {text!r} is not host:port with a port 1-65535",
                               "Use etcd://host:port (a cluster: etcd://h1:2379,h2:2379,h3:2379).")
     return ",".join(members), scheme in ("etcds", "https")
 
 
+_RUN_PATH = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+"""torchrun's --run-path: the script runs through runpy, argv as it would see it."""
+
+
 def _worker_command(args: argparse.Namespace) -> list[str]:
+    if sum((args.no_python, args.module, args.run_path)) > 1:
+        raise ConfigError("--no-python, -m and --run-path exclude one another", "Pass one of them.")
     if args.no_python:
+        if not shutil.which(args.script):
+            raise ConfigError(f"--no-python program {args.script} is not found or not executable",
+                              "Check the name and PATH, or drop --no-python for a Python script.")
         return [args.script, *args.script_args]
     if args.module:
         return [sys.executable, "-u", "-m", args.script, *args.script_args]
     if not os.path.isfile(args.script):
         raise ConfigError(f"training script {args.script} does not exist", "Check the path.")
+    if args.run_path:
+        return [sys.executable, "-u", "-c", _RUN_PATH, args.script, *args.script_args]
     return [sys.executable, "-u", args.script, *args.script_args]
+
+
+def _check_rendezvous_flags(args: argparse.Namespace, max_nodes: int) -> None:
+    """torchrun's rendezvous flags that have no etcd meaning: refused, or harmless on one node."""
+    flags.check_refused(args)
+    if args.rdzv_backend not in ("etcd", "etcd-v3"):
+        raise ConfigError(f"--rdzv-backend {args.rdzv_backend} is not supported",
+                          "Use --rdzv-backend etcd (`elastic-rt etcd` runs one).")  # fmt: skip
+    if args.standalone and args.rdzv_endpoint:
+        raise ConfigError("--standalone starts a private rendezvous, --rdzv-endpoint names one",
+                          "Pass one of them.")  # fmt: skip
+    static = [(name, value) for name, value in (("--node-rank", args.node_rank),
+              ("--master-addr", args.master_addr), ("--master-port", args.master_port))
+              if value is not None]  # fmt: skip
+    if static and (max_nodes > 1 or args.node_rank not in (None, 0)):
+        raise ConfigError(
+            f"{static[0][0]} {static[0][1]} belongs to torchrun's static rendezvous; "
+            "elastic-rt ranks nodes through etcd",
+            "Drop it, run `elastic-rt etcd` on one host and pass --rdzv-endpoint etcd://HOST:PORT.",
+        )
+    if static:
+        names = ", ".join(name for name, _ in static)
+        logger.warning("%s: not needed on one node; rank 0's store gets a free port each round "
+                       "and MASTER_ADDR/MASTER_PORT tell the workers", names)
+
+
+def _output(args: argparse.Namespace) -> OutputSpec:
+    """torchrun's output flags -> where the workers' streams go (agents/output.py)."""
+    streams = "0-3 (1 stdout, 2 stderr, 3 both) or LOCAL_RANK:N pairs like 0:3,1:1"
+    fixes = {"redirects": f"Pass -r {streams}.", "tee": f"Pass -t {streams}.",
+             "filter": "Pass local ranks separated by commas, like 0,1."}  # fmt: skip
+    redirects = _flag(fixes["redirects"], lambda: parse_std(args.redirects, "--redirects"))
+    tee = _flag(fixes["tee"], lambda: parse_std(args.tee, "--tee"))
+    ranks = _flag(fixes["filter"], lambda: parse_ranks(args.local_ranks_filter))
+    if args.log_dir and os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
+        raise ConfigError(f"--log-dir {args.log_dir} is a file", "Pass a directory.")
+    return OutputSpec(log_dir=args.log_dir, redirects=redirects, tee=tee, ranks_filter=ranks,
+                      role=args.role)  # fmt: skip
+
+
+def _flag(fix: str, parse: Callable[[], _T]) -> _T:
+    """A parser's ValueError (it names the flag and value) plus ``fix`` -> a ConfigError."""
+    try:
+        return parse()
+    except ValueError as exc:
+        raise ConfigError(str(exc), fix) from None
+
+
+def _set_omp_threads(nproc: int) -> None:
+    """torchrun's default: one OpenMP thread per worker, so N workers do not oversubscribe."""
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        logger.warning(
+            "\n*****************************************\n"
+            "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, "
+            "to avoid your system being overloaded, please further tune the variable for "
+            "optimal performance in your application as needed. \n"
+            "*****************************************"
+        )
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -164,12 +283,12 @@ def _launch(args: argparse.Namespace) -> int:
     from elastic_rt.etcd_server import EtcdServer, is_port_free
 
     min_nodes, max_nodes = cfg.parse_nnodes(args.nnodes)
-    if args.rdzv_backend not in ("etcd", "etcd-v3"):
-        raise ConfigError(f"--rdzv-backend {args.rdzv_backend} is not supported", "Use --rdzv-backend etcd.")
-    if args.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is below 1", "Pass 1 or more.")
+    _check_rendezvous_flags(args, max_nodes)
+    conf = flags.parse_rdzv_conf(args.rdzv_conf)
+    nproc = flags.resolve_nproc(args.nproc_per_node)
     endpoint, tls = parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else ("", False)
     command = _worker_command(args)
+    output = _output(args)
     auth = _auth(args, tls)
     server = None
     if not endpoint and args.etcd_port is not None and not is_port_free(args.etcd_port):
@@ -178,6 +297,9 @@ def _launch(args: argparse.Namespace) -> int:
             f"--etcd-port {args.etcd_port} is already in use on 127.0.0.1",
             "Pick another --etcd-port, or leave it out to get a free one.",
         )
+    if output.log_dir:
+        os.makedirs(output.log_dir, exist_ok=True)
+    _set_omp_threads(nproc)
     if not endpoint:
         server = EtcdServer(port=args.etcd_port).start()
         endpoint = server.endpoint
@@ -194,19 +316,21 @@ def _launch(args: argparse.Namespace) -> int:
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         lease_ttl=timedelta(seconds=args.lease_ttl),
-        last_call=timedelta(seconds=args.last_call),
-        join_timeout=timedelta(seconds=args.join_timeout),
+        last_call=_seconds(args.last_call, conf.get("last_call_timeout"), 1.0),
+        join_timeout=_seconds(args.join_timeout, conf.get("join_timeout"), 600.0),
         auth=auth,
     )
     extra = {"node_id": args.node_id} if args.node_id else {}
     config = AgentConfig(
         rendezvous=rendezvous,
         command=command,
-        nproc_per_node=args.nproc_per_node,
+        nproc_per_node=nproc,
         max_restarts=args.max_restarts,
         monitor_interval=timedelta(seconds=args.monitor_interval),
+        grace_period=timedelta(seconds=args.shutdown_timeout),
         host=host,
         events_file=args.events_file,
+        output=output,
         **extra,
     )
     try:
@@ -214,6 +338,13 @@ def _launch(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+
+
+def _seconds(flag: float | None, conf: timedelta | None, default: float) -> timedelta:
+    """Precedence: our flag, then torchrun's --rdzv-conf key, then the default."""
+    if flag is not None:
+        return timedelta(seconds=flag)
+    return conf if conf is not None else timedelta(seconds=default)
 
 
 def _fqdn() -> str:
@@ -225,7 +356,8 @@ def _fqdn() -> str:
 # etcd -----------------------------------------------------------------------------
 def _add_etcd(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = commands.add_parser("etcd", help="run an etcd in the foreground for local agents")
-    p.add_argument("--port", type=int, default=None, help="client port (default: a free one)")
+    p.add_argument("--port", type=flags.port, default=None,
+                   help="client port (default: a free one)")
     p.add_argument("--data-dir", default=None, help="keep data here (default: a temporary dir)")
     p.set_defaults(func=_etcd)
 
@@ -262,7 +394,9 @@ def _status(args: argparse.Namespace) -> int:
     from elastic_rt.status import show_status
 
     endpoint, tls = parse_endpoint(args.rdzv_endpoint)
-    print(show_status(endpoint, args.run_id, auth=_auth(args, tls), events_file=args.events_file, as_json=args.json))
+    auth = _auth(args, tls)
+    print(show_status(endpoint, args.run_id, auth=auth, events_file=args.events_file,
+                      as_json=args.json))  # fmt: skip
     return 0
 
 

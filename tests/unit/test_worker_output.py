@@ -23,7 +23,7 @@ def test_parse_std_reads_a_value_or_per_rank_pairs_like_torchrun() -> None:
 
 @pytest.mark.parametrize("text", ["4", "x", "0:9", "1:"])
 def test_parse_std_names_the_flag_and_the_accepted_forms(text: str) -> None:
-    with pytest.raises(ValueError, match=r"--tee .* takes 0-3"):
+    with pytest.raises(ValueError, match=r"--tee .* is not a stream setting"):
         parse_std(text, "--tee")
 
 
@@ -32,6 +32,8 @@ def test_parse_ranks_is_none_for_all_and_refuses_garbage() -> None:
     assert parse_ranks("0,2") == {0, 2}
     with pytest.raises(ValueError, match="local-ranks-filter"):
         parse_ranks("a")
+    with pytest.raises(ValueError, match="local-ranks-filter"):
+        parse_ranks("-1")
 
 
 def test_tee_writes_the_file_and_shows_the_stream_redirect_only_writes() -> None:
