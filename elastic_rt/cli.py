@@ -163,6 +163,7 @@ def _auth(args: argparse.Namespace, tls: bool = False) -> cfg.EtcdAuth:
                               "Pass the path of a PEM file.")  # fmt: skip
     if bool(args.etcd_cert) != bool(args.etcd_key):
         raise ConfigError("--etcd-cert and --etcd-key go together", "Pass both or neither.")
+    _check_pem(args.etcd_cacert, args.etcd_cert, args.etcd_key)
     password = os.environ.get(cfg.ETCD_PASSWORD_ENV)
     if args.etcd_user and not password:
         raise ConfigError(f"--etcd-user {args.etcd_user} has no password",
@@ -171,6 +172,29 @@ def _auth(args: argparse.Namespace, tls: bool = False) -> cfg.EtcdAuth:
         cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
         user=args.etcd_user, password=password if args.etcd_user else None, tls=tls,
     )  # fmt: skip
+
+
+def _check_pem(cacert: str | None, cert: str | None, key: str | None) -> None:
+    """Load the TLS files as the client will, so a wrong file is named before any
+    connection (gRPC would report it later as a handshake failure, blaming the server)."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if cacert:
+        try:
+            context.load_verify_locations(cafile=cacert)
+        except ssl.SSLError:
+            raise ConfigError(f"--etcd-cacert {cacert} is not a PEM certificate",
+                              "Pass the CA certificate that signed etcd's server "
+                              "certificate (a file with -----BEGIN CERTIFICATE-----).") from None
+    if cert and key:
+        try:
+            context.load_cert_chain(cert, key, password="")
+        except ssl.SSLError:
+            raise ConfigError(f"--etcd-cert {cert} and --etcd-key {key} are not a PEM "
+                              "certificate and its unencrypted private key",
+                              "Pass the client certificate and the key it was issued "
+                              "for, both PEM.") from None
 
 
 def parse_endpoint(text: str) -> tuple[str, bool]:
@@ -283,6 +307,7 @@ def _launch(args: argparse.Namespace) -> int:
     from elastic_rt.etcd_server import EtcdServer, is_port_free
 
     min_nodes, max_nodes = cfg.parse_nnodes(args.nnodes)
+    cfg.check_run_id(args.run_id)
     _check_rendezvous_flags(args, max_nodes)
     conf = flags.parse_rdzv_conf(args.rdzv_conf)
     nproc = flags.resolve_nproc(args.nproc_per_node)
@@ -393,6 +418,7 @@ def _add_status(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
 def _status(args: argparse.Namespace) -> int:
     from elastic_rt.status import show_status
 
+    cfg.check_run_id(args.run_id)
     endpoint, tls = parse_endpoint(args.rdzv_endpoint)
     auth = _auth(args, tls)
     print(show_status(endpoint, args.run_id, auth=auth, events_file=args.events_file,

@@ -8,6 +8,7 @@ run) plus ``ELASTIC_RT_*`` extras that the library reads with :func:`WorkerEnv.f
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Mapping
@@ -116,6 +117,23 @@ class EtcdAuth:
         return self.tls or self.cacert is not None or self.cert is not None
 
 
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def check_run_id(run_id: str) -> None:
+    """A run id names etcd keys and files: ASCII letters, digits, '-', '_', at most 128.
+
+    Raises:
+        ConfigError: anything else (spaces, '/', unicode, empty, too long).
+    """
+    if not _RUN_ID.fullmatch(run_id):
+        shown = repr(run_id) if len(run_id) <= 40 else f"{run_id[:40]!r}... ({len(run_id)} chars)"
+        raise ConfigError(
+            f"run id {shown} is not 1-128 letters, digits, '-' or '_'",
+            "Pass --run-id with ASCII letters, digits, '-' or '_', at most 128 of them.",
+        )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RendezvousConfig:
     """What every node of one job agrees on."""
@@ -135,11 +153,7 @@ class RendezvousConfig:
     auth: EtcdAuth = field(default_factory=EtcdAuth)
 
     def __post_init__(self) -> None:
-        if not self.run_id or "/" in self.run_id:
-            raise ConfigError(
-                f"run id {self.run_id!r} is empty or contains '/'",
-                "Pass --run-id with letters, digits, '-' or '_'.",
-            )
+        check_run_id(self.run_id)
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ConfigError(
                 f"nnodes {self.min_nodes}:{self.max_nodes} needs 1 <= MIN <= MAX",

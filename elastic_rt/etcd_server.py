@@ -73,7 +73,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether etcd could listen on ``host:port`` now.
+
+    SO_REUSEADDR as etcd (Go) sets it: a port whose last connections sit in
+    TIME_WAIT (a previous etcd stopped under a minute ago) is free for etcd, and a
+    check without it would refuse the port for that minute.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -199,7 +206,8 @@ class EtcdServer:
                 self._stderr.seek(0)
                 err = self._stderr.read().decode(errors="replace")
                 self.stop()
-                raise ElasticError(f"etcd exited with code {self._process.returncode}: {err[-500:]}")
+                code = self._process.returncode
+                raise ElasticError(f"etcd exited with code {code}: {err[-500:]}")
             try:
                 with urllib.request.urlopen(url, timeout=1, context=context) as response:
                     if b'"health":"true"' in response.read():

@@ -28,6 +28,7 @@ Note:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections import defaultdict
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from elastic_rt.errors import ConfigError, NoEventsError
-from elastic_rt.events import Event, read_events
+from elastic_rt.events import Event
 
 FAULTS = frozenset({"worker.failed", "node.left", "agent.fenced", "step.retried"})
 BAR_ENDS = frozenset({"worker.failed", "node.left", "agent.fenced", "job.finished", "agent.exited"})
@@ -105,7 +106,7 @@ def load_events(paths: Sequence[str]) -> list[Event]:
     seen: set[str] = set()
     merged = []
     for path in paths:
-        for event in read_events(path):
+        for event in _read_strictly(path):
             line = event.to_json()
             if line not in seen:
                 seen.add(line)
@@ -116,6 +117,43 @@ def load_events(paths: Sequence[str]) -> list[Event]:
             "Pass a file written by elastic-rt launch --events-file after the job started.",
         )
     return sorted(merged, key=lambda e: e.timestamp_ms)
+
+
+def _read_strictly(path: str) -> list[Event]:
+    """The file's events. A line that is not JSON is skipped (a writer killed mid-append
+    tears one); JSON that is not an event means a wrong file, and is named.
+
+    Raises:
+        NoEventsError: the file is binary, or a line is JSON but not an event.
+    """
+    fix = "Pass a JSON-lines file written by elastic-rt launch --events-file."
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except UnicodeDecodeError as exc:
+        raise NoEventsError(f"event file {path} is not text (byte {exc.start})", fix) from None
+    events = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        event = _as_event(raw)
+        if event is None:
+            raise NoEventsError(f"event file {path} line {number} is not an event", fix)
+        events.append(event)
+    return events
+
+
+def _as_event(raw: Any) -> Event | None:
+    if not isinstance(raw, dict):
+        return None
+    try:
+        event = Event(**raw)
+    except TypeError:
+        return None
+    ok = isinstance(event.name, str) and isinstance(event.timestamp_ms, int)
+    return event if ok else None
 
 
 def rounds_formed(events: Sequence[Event]) -> list[Event]:
@@ -220,19 +258,25 @@ def draw_timeline(paths: Sequence[str], output: str) -> str:
     """Draw the events in ``paths`` to ``output`` (.png, .svg or .pdf); returns its path.
 
     Raises:
-        NoEventsError: a file is missing or holds no events.
-        ConfigError: the output's extension is not an image format.
+        NoEventsError: a file is missing, binary, not events, or holds no events.
+        ConfigError: the output's extension is not an image format, or its folder is
+            missing or not writable (nothing is created).
     """
-    events = load_events(paths)
     extension = os.path.splitext(output)[1].lower().lstrip(".")
     if extension not in ("png", "svg", "pdf"):
         raise ConfigError(
             f"output {output} is not .png, .svg or .pdf", "Pass for example -o run.png."
         )
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"output folder {folder} does not exist",
+                          "Create it first, or pass -o in an existing folder.")  # fmt: skip
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"output folder {folder} is not writable", "Pass -o somewhere writable.")
+    events = load_events(paths)
     from elastic_rt.timeline_draw import draw
 
     figure = draw(events, find_recoveries(events))
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     figure.savefig(output, dpi=130, bbox_inches="tight")
     return output
 

@@ -105,7 +105,7 @@ def test_draws_a_png_from_agent_and_worker_files(tmp_path: Path) -> None:
     events = in_process_run()
     agent = _write(tmp_path / "agent.jsonl", [e for e in events if e.source == "agent"])
     worker = _write(tmp_path / "worker.jsonl", [e for e in events if e.source == "worker"])
-    out = draw_timeline([agent, worker, agent], str(tmp_path / "fig" / "run.png"))
+    out = draw_timeline([agent, worker, agent], str(tmp_path / "run.png"))
     data = Path(out).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 30_000  # a drawn figure, not an empty canvas
