@@ -183,15 +183,15 @@ def _check_pem(cacert: str | None, cert: str | None, key: str | None) -> None:
     if cacert:
         try:
             context.load_verify_locations(cafile=cacert)
-        except ssl.SSLError:
-            raise ConfigError(f"--etcd-cacert {cacert} is not a PEM certificate",
+        except (ssl.SSLError, OSError):
+            raise ConfigError(f"--etcd-cacert {cacert} cannot be read as a PEM certificate",
                               "Pass the CA certificate that signed etcd's server "
                               "certificate (a file with -----BEGIN CERTIFICATE-----).") from None
     if cert and key:
         try:
             context.load_cert_chain(cert, key, password="")
-        except ssl.SSLError:
-            raise ConfigError(f"--etcd-cert {cert} and --etcd-key {key} are not a PEM "
+        except (ssl.SSLError, OSError):
+            raise ConfigError(f"--etcd-cert {cert} and --etcd-key {key} cannot be read as a PEM "
                               "certificate and its unencrypted private key",
                               "Pass the client certificate and the key it was issued "
                               "for, both PEM.") from None
