@@ -80,6 +80,12 @@ class Recovery:
     """False when nothing shows when a lost node died: the time since then is not counted."""
 
     @property
+    def is_end_seen(self) -> bool:
+        """Whether a worker reported training again; else the end is the workers'
+        (re)start, and their start-up (importing torch, the first step) is not counted."""
+        return self.phases[-1].label in ("resume step", "first step")
+
+    @property
     def start_ms(self) -> int:
         return self.phases[0].start_ms
 
@@ -166,31 +172,63 @@ def rounds_formed(events: Sequence[Event]) -> list[Event]:
 
 
 def find_recoveries(events: Sequence[Event]) -> list[Recovery]:
-    """One :class:`Recovery` per round after the first, from ``events`` in time order."""
+    """One :class:`Recovery` per round after the first, from ``events`` in time order.
+
+    In restart mode a round can be overtaken before its workers ever start (a
+    survivor's worker fails, its restart round forms with the dead node still a
+    member, then the lease expires and another round drops it). Such a round is no
+    recovery of its own: it and the ones after it are one recovery, timed from the
+    first fault to the workers of the round that held.
+    """
     formed = {e.round: e for e in rounds_formed(events) if e.round is not None}
     recoveries = []
     window_start = 0
+    chain: list[Event] = []
+    """Rounds overtaken before their workers ran, after the last round that trained."""
+    before: Event | None = None
+    """The round before the first of ``chain`` (before the trouble)."""
     for number in sorted(formed):
         event = formed[number]
         previous = formed.get(number - 1)
         if previous is None:
             window_start = event.timestamp_ms
             continue
-        start = _fault_start(events, event, previous, window_start)
+        if not chain:
+            before = previous
+        if _is_overtaken(events, event, formed.get(number + 1)):
+            chain.append(event)
+            continue
+        base = before or previous
+        start = _fault_start(events, event, base, window_start)
         phases = _phases(events, event, start)
-        lost = _members(previous) - _members(event)
+        lost = _members(base) - _members(event)
         recoveries.append(
             Recovery(
                 round=number,
-                cause=str(event.metadata.get("reason", "")),
-                world_before=int(previous.metadata.get("world_size", 0)),
+                cause=", then ".join(str(e.metadata.get("reason", "")) for e in [*chain, event]),
+                world_before=int(base.metadata.get("world_size", 0)),
                 world_after=int(event.metadata.get("world_size", 0)),
                 phases=phases,
                 is_start_seen=not lost or start < event.timestamp_ms,
             )
         )
+        chain = []
         window_start = phases[-1].end_ms
     return recoveries
+
+
+def _is_overtaken(events: Sequence[Event], formed: Event, following: Event | None) -> bool:
+    """A restart-mode round whose workers never started before the next round formed."""
+    if following is None:
+        return False
+    ran = {"worker.started", "worker.restarted", "groups.reformed", "step.resumed"}
+    for e in events:
+        if e.round == formed.round and e.name in ran:
+            return False
+        between = formed.timestamp_ms < e.timestamp_ms < following.timestamp_ms
+        if e.name == "step.completed" and between:
+            return False
+    return any(e.name == "worker.restarted" and e.round == following.round for e in events)
 
 
 def _members(event: Event) -> set[str]:
@@ -202,12 +240,12 @@ def _fault_start(events: Sequence[Event], formed: Event, previous: Event, since_
     now = formed.timestamp_ms
     window = [e for e in events if since_ms < e.timestamp_ms <= now]
     faults = [e.timestamp_ms for e in window if e.name in FAULTS]
-    if faults:
-        return min(faults)
     lost = _members(previous) - _members(formed)
     last_steps = [e.timestamp_ms for e in window if e.name == "step.completed" and e.node in lost]
-    if last_steps:
-        return max(last_steps)
+    if faults or last_steps:
+        # The earliest evidence: a lost node died after its last step, and survivors
+        # may report the fault seconds later (restart mode: a collective times out).
+        return min(faults + last_steps[-1:])
     joined = _members(formed) - _members(previous)
     joins = [e.timestamp_ms for e in window if e.name == "node.joined" and e.node in joined]
     # Growth: training stops when the survivors leave their round, which in-process is
@@ -249,9 +287,11 @@ def describe(recovery: Recovery) -> str:
 
 
 def duration_text(recovery: Recovery) -> str:
-    """"2.3 s", or "2.3 s + detection" when the fault's start was not seen."""
+    """"2.3 s", plus "+ detection" when the fault's start was not seen and "+ start-up"
+    when no worker reported training again (both are then missing from the time)."""
     text = f"{recovery.duration_s:.1f} s"
-    return text if recovery.is_start_seen else f"{text} + detection"
+    text += "" if recovery.is_start_seen else " + detection"
+    return text if recovery.is_end_seen else f"{text} + start-up"
 
 
 def draw_timeline(paths: Sequence[str], output: str) -> str:
@@ -261,6 +301,21 @@ def draw_timeline(paths: Sequence[str], output: str) -> str:
         NoEventsError: a file is missing, binary, not events, or holds no events.
         ConfigError: the output's extension is not an image format, or its folder is
             missing or not writable (nothing is created).
+    """
+    check_output(output)
+    events = load_events(paths)
+    from elastic_rt.timeline_draw import draw
+
+    figure = draw(events, find_recoveries(events))
+    figure.savefig(output, dpi=130, bbox_inches="tight")
+    return output
+
+
+def check_output(output: str) -> None:
+    """Refuse an output that cannot be written, before any work and creating nothing.
+
+    Raises:
+        ConfigError: not .png, .svg or .pdf, or its folder is missing or read-only.
     """
     extension = os.path.splitext(output)[1].lower().lstrip(".")
     if extension not in ("png", "svg", "pdf"):
@@ -273,12 +328,6 @@ def draw_timeline(paths: Sequence[str], output: str) -> str:
                           "Create it first, or pass -o in an existing folder.")  # fmt: skip
     if not os.access(folder, os.W_OK):
         raise ConfigError(f"output folder {folder} is not writable", "Pass -o somewhere writable.")
-    events = load_events(paths)
-    from elastic_rt.timeline_draw import draw
-
-    figure = draw(events, find_recoveries(events))
-    figure.savefig(output, dpi=130, bbox_inches="tight")
-    return output
 
 
 def node_order(events: Sequence[Event]) -> list[str]:
@@ -305,7 +354,7 @@ def worker_bars(events: Sequence[Event], recoveries: Sequence[Recovery]) -> dict
     new bar for the new round.
     """
     formed = {e.round: e.timestamp_ms for e in rounds_formed(events)}
-    lost_at = {r.round: r.start_ms for r in recoveries}
+    lost_at: dict[int | None, int] = {r.round: r.start_ms for r in recoveries}
     bars: dict[str, list[Bar]] = defaultdict(list)
     open_bar: dict[str, tuple[int, int | None]] = {}
 

@@ -8,7 +8,13 @@ import pytest
 
 from elastic_rt.errors import ConfigError, NoEventsError
 from elastic_rt.events import Event
-from elastic_rt.timeline import describe, draw_timeline, find_recoveries, load_events
+from elastic_rt.timeline import (
+    describe,
+    draw_timeline,
+    duration_text,
+    find_recoveries,
+    load_events,
+)
 
 T0 = 1_700_000_000_000
 
@@ -55,6 +61,37 @@ def in_process_run() -> list[Event]:
     return events
 
 
+def restart_run(*, worker_events: bool = True) -> list[Event]:
+    """Restart mode, as the issue saw it: c is killed after its step at 4.75 s; a's worker
+    fails 3.7 s later and a restart round forms with c still a member (its lease holds);
+    no worker starts in it before c's lease expires and round 2 drops c; a and b restart
+    and train again from 14 s (importing torch takes seconds). e joins at 15 s and is
+    never admitted; its agent leaves at 18 s, after the job ended at 16.5 s."""
+    events = [_event("node.joined", 0.0, n, host="127.0.0.1", nproc=1) for n in "abc"]
+    events += [_event("round.formed", 0.5, "a", round=0, world_size=3, members=list("abc"),
+                      reason="all nodes joined")]  # fmt: skip
+    events += [_event("worker.started", 0.6, n, round=0, world_size=3) for n in "abc"]
+    for rank, node in enumerate("abc"):
+        events += _steps(node, rank, 1.0, 5.1, 1)
+    events += [_event("checkpoint.committed", 3.05, "a", source="worker", rank=0, step=9)]
+    events += [_event("worker.failed", 8.8, "a", round=0, local_rank=0, exitcode=1),
+               _event("round.formed", 8.85, "a", round=1, world_size=3, members=list("abc"),
+                      reason="a's worker failed (restart 1/3)"),
+               _event("node.lost", 10.2, "a", round=2, lost="c"),
+               _event("round.formed", 10.2, "a", round=2, world_size=2, members=list("ab"),
+                      reason="lost c")]  # fmt: skip
+    events += [_event("worker.restarted", 10.4 + 0.05 * r, n, round=2, world_size=2)
+               for r, n in enumerate("ab")]  # fmt: skip
+    for rank, node in enumerate("ab"):
+        events += _steps(node, rank, 14.0, 16.5, 9)
+    events += [_event("job.finished", 16.5, n, round=2) for n in "ab"]
+    events += [_event("node.joined", 15.0, "e", host="127.0.0.1", nproc=1),
+               _event("agent.exited", 18.0, "e")]  # fmt: skip
+    if not worker_events:
+        events = [e for e in events if e.source == "agent"]
+    return sorted(events, key=lambda e: e.timestamp_ms)
+
+
 def _write(path: Path, events: list[Event]) -> str:
     path.write_text("".join(e.to_json() + "\n" for e in events))
     return str(path)
@@ -65,10 +102,11 @@ def test_recoveries_are_timed_from_the_first_fault_through_each_phase() -> None:
     assert (first.round, first.cause, first.world_before, first.world_after) == (1, "lost c", 3, 2)
     assert [p.label for p in first.phases] == [
         "detect + rendezvous", "re-form groups", "restore state", "resume step"]  # fmt: skip
-    assert first.start_ms == T0 + 6300  # the survivors' retried step, not the later lease expiry
+    # c's last step: it died after that (the survivors reported at 6.3 s, the lease at 8 s)
+    assert first.start_ms == T0 + 5750
     assert first.end_ms == T0 + 8850  # the slowest rank resumed
     assert second.cause == "admitting d" and second.start_ms == T0 + 12000
-    assert describe(first).startswith("round 1: lost c, world 3 -> 2, 2.")
+    assert describe(first).startswith("round 1: lost c, world 3 -> 2, 3.1 s")
 
 
 def test_a_growth_counts_the_survivors_pause_not_the_newcomers_start() -> None:
@@ -143,3 +181,22 @@ def test_an_unknown_image_format_is_a_config_error(tmp_path: Path) -> None:
     agent = _write(tmp_path / "agent.jsonl", in_process_run()[:5])
     with pytest.raises(ConfigError, match="png"):
         draw_timeline([agent], str(tmp_path / "run.txt"))
+
+
+def test_a_restart_round_overtaken_before_its_workers_ran_is_part_of_the_next() -> None:
+    (recovery,) = find_recoveries(restart_run())
+    assert recovery.round == 2 and (recovery.world_before, recovery.world_after) == (3, 2)
+    assert recovery.cause == "a's worker failed (restart 1/3), then lost c"
+    assert recovery.start_ms == T0 + 4750  # c's last step, not a's report 4 s later
+    assert recovery.end_ms == T0 + 14000  # the first step after the restart
+    assert [p.label for p in recovery.phases] == ["detect + rendezvous", "restart workers",
+                                                  "first step"]  # fmt: skip
+    assert describe(recovery).startswith("round 2: a's worker failed (restart 1/3), then lost c, "
+                                         "world 3 -> 2, 9.")  # fmt: skip
+
+
+def test_agent_events_alone_say_what_a_restart_leaves_uncounted() -> None:
+    (recovery,) = find_recoveries(restart_run(worker_events=False))
+    assert recovery.start_ms == T0 + 8800 and recovery.end_ms == T0 + 10450
+    assert not recovery.is_end_seen
+    assert duration_text(recovery) == "1.6 s + start-up"
