@@ -338,6 +338,21 @@ def node_order(events: Sequence[Event]) -> list[str]:
     return sorted(nodes, key=_natural)
 
 
+def never_admitted(events: Sequence[Event]) -> set[str]:
+    """Nodes that joined (registered) but no round ever listed as a member."""
+    members = set().union(*(_members(e) for e in rounds_formed(events)))
+    return {e.node for e in events if e.name == "node.joined" and e.node} - members
+
+
+def job_end_ms(events: Sequence[Event]) -> int:
+    """When the job ended: its last ``job.finished``, else the last event of all.
+
+    Agents that were never admitted may report after that; they are not the job.
+    """
+    finished = [e.timestamp_ms for e in events if e.name == "job.finished"]
+    return max(finished) if finished else events[-1].timestamp_ms
+
+
 def _natural(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
@@ -355,6 +370,9 @@ def worker_bars(events: Sequence[Event], recoveries: Sequence[Recovery]) -> dict
     """
     formed = {e.round: e.timestamp_ms for e in rounds_formed(events)}
     lost_at: dict[int | None, int] = {r.round: r.start_ms for r in recoveries}
+    rounds = sorted(rounds_formed(events), key=lambda e: e.timestamp_ms)
+    overtaken = {e.round for e, following in zip(rounds, rounds[1:])
+                 if _is_overtaken(events, e, following)}  # fmt: skip
     bars: dict[str, list[Bar]] = defaultdict(list)
     open_bar: dict[str, tuple[int, int | None]] = {}
 
@@ -366,11 +384,15 @@ def worker_bars(events: Sequence[Event], recoveries: Sequence[Recovery]) -> dict
 
     for e in events:
         if e.name == "node.lost":
-            close(str(e.metadata.get("lost")), lost_at.get(e.round, e.timestamp_ms))
+            node, died = str(e.metadata.get("lost")), lost_at.get(e.round, e.timestamp_ms)
+            close(node, died)
+            # Its last bars end where it died, not where the others noticed.
+            bars[node] = [(s, min(end, died), n) for s, end, n in bars[node] if s < died]
         elif e.name == "round.formed" and e.source == "agent":
             for node in set(e.metadata.get("members", ())) & set(open_bar):
                 close(node, e.timestamp_ms)
-                open_bar[node] = (e.timestamp_ms, e.round)
+                if e.round not in overtaken:  # no worker ran in an overtaken round
+                    open_bar[node] = (e.timestamp_ms, e.round)
         elif not e.node or e.source != "agent":
             continue
         elif e.name in ("worker.started", "worker.restarted"):

@@ -14,6 +14,8 @@ from elastic_rt.timeline import (
     PHASE_COLOURS,
     Recovery,
     duration_text,
+    job_end_ms,
+    never_admitted,
     node_order,
     rounds_formed,
     step_series,
@@ -35,6 +37,11 @@ LINES = {
     "node.joined": ("#2ca02c", ":"),
 }
 SHADE = "#7f7f7f"
+CHECKPOINT = ("d", "#111111", "checkpoint committed")
+ZOOM_BELOW = 0.04
+"""A recovery shorter than this share of the time axis also gets a zoomed panel."""
+DODGE_PT = 2.5
+"""Step lines of successive workers are drawn this many points apart (they coincide)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,15 +63,22 @@ def draw(events: Sequence[Event], recoveries: Sequence[Recovery]) -> Any:
 
     nodes = node_order(events)
     palette = colormaps["tab10"]
-    frame = _Frame(events[0].timestamp_ms, events[-1].timestamp_ms,
+    frame = _Frame(events[0].timestamp_ms, job_end_ms(events),
                    {n: palette(i % 10) for i, n in enumerate(nodes)})  # fmt: skip
     steps = step_series(events)
     panels = ["steps"] if steps else []
     panels += ["nodes", "recovery", "world"] if recoveries else ["nodes", "world"]
     sizes = {"steps": 3.2, "nodes": 0.42 * len(nodes) + 0.5, "recovery": 0.55, "world": 1.2}
-    figure = Figure(figsize=(12, sum(sizes[p] for p in panels) + 1.0), layout="constrained")
-    axes = figure.subplots(len(panels), 1, sharex=True,
-                           gridspec_kw={"height_ratios": [sizes[p] for p in panels]})  # fmt: skip
+    span_ms = max(frame.end_ms - frame.t0_ms, 1)
+    short = [r for r in recoveries if r.end_ms - r.start_ms < ZOOM_BELOW * span_ms][:4]
+    height = sum(sizes[p] for p in panels) + 1.0
+    figure = Figure(figsize=(12, height + (1.4 if short else 0)), layout="constrained")
+    top: Any = figure
+    if short:
+        top, bottom = figure.subfigures(2, 1, height_ratios=[height, 1.4])  # type: ignore[misc]
+        _draw_zooms(bottom.subplots(1, len(short), squeeze=False)[0], short)
+    axes = top.subplots(len(panels), 1, sharex=True,
+                        gridspec_kw={"height_ratios": [sizes[p] for p in panels]})  # fmt: skip
     axes = dict(zip(panels, axes if len(panels) > 1 else [axes]))
     for ax in axes.values():
         _shade_and_mark(ax, events, recoveries, frame)
@@ -74,11 +88,12 @@ def draw(events: Sequence[Event], recoveries: Sequence[Recovery]) -> Any:
     if recoveries:
         _draw_recovery(axes["recovery"], recoveries, frame)
     _draw_world(axes["world"], events, frame)
+    _draw_checkpoints(axes["steps"] if steps else axes["world"], events, frame, bool(steps))
     _label_lines(axes[panels[0]], events, frame)
     axes["world"].set_xlabel("seconds since the first event")
     axes["world"].set_xlim(-0.01 * frame.x(frame.end_ms), frame.x(frame.end_ms) * 1.02 + 0.1)
     figure.suptitle(_title(events, recoveries, nodes), fontsize=12, x=0.01, ha="left")
-    _legend(figure, events, recoveries, frame)
+    _legend(top, events, recoveries, frame)
     return figure
 
 
@@ -87,9 +102,15 @@ def _title(events: Sequence[Event], recoveries: Sequence[Recovery], nodes: list[
     rounds = len({e.round for e in rounds_formed(events)})
     text = (f"run {run_id}: {_count(len(nodes), 'node')}, {_count(rounds, 'round')}, "
             f"{_count(len(recoveries), 'recovery', 'recoveries')}")  # fmt: skip
-    if recoveries:
-        durations = sorted(r.duration_s for r in recoveries)
-        text += f" (median {durations[len(durations) // 2]:.1f} s, longest {durations[-1]:.1f} s)"
+    ordered = sorted(recoveries, key=lambda r: r.duration_s)
+    if len(ordered) == 1:
+        text += f" ({duration_text(ordered[0])})"
+    elif ordered:
+        text += (f" (median {duration_text(ordered[len(ordered) // 2])}, "
+                 f"longest {duration_text(ordered[-1])})")  # fmt: skip
+    waiting = never_admitted(events)
+    if waiting:
+        text += f"; {', '.join(sorted(waiting))} never admitted"
     return text
 
 
@@ -111,11 +132,15 @@ def _shade_and_mark(
 
 
 def _line_events(events: Sequence[Event]) -> list[tuple[Event, str, str]]:
-    """Losses, leaves, and joins after the first round: the events worth a vertical line."""
+    """Losses, leaves, and joins after the first round that led to an admission: the
+    events worth a vertical line (a node never admitted changed nothing)."""
     first_round = min((e.timestamp_ms for e in rounds_formed(events)), default=0)
+    waiting = never_admitted(events)
     chosen = []
     for e in events:
-        if e.name in LINES and (e.name != "node.joined" or e.timestamp_ms > first_round):
+        is_join = e.name == "node.joined"
+        if e.name in LINES and (not is_join or e.timestamp_ms > first_round
+                                and e.node not in waiting):  # fmt: skip
             chosen.append((e, *LINES[e.name]))
     return chosen
 
@@ -136,17 +161,22 @@ def _label_lines(ax: Any, events: Sequence[Event], frame: _Frame) -> None:
 
 def _draw_steps(ax: Any, steps: dict[tuple[str, Any], list[tuple[int, int]]],
                 recoveries: Sequence[Recovery], frame: _Frame) -> None:
+    from matplotlib.transforms import offset_copy
+
     workers = sorted(steps, key=lambda key: (key[0], str(key[1])))
     for i, (node, rank) in enumerate(workers):
-        # Ranks of a data-parallel job move in lockstep, so their lines coincide; drawing
-        # each one thinner than the last keeps every worker visible as a coloured rim.
-        width = 1.2 + 3.0 * (len(workers) - 1 - i) / max(len(workers) - 1, 1)
+        # Ranks of a data-parallel job move in lockstep, so their lines coincide: each
+        # is drawn DODGE_PT points above the last (a fixed distance on paper, whatever
+        # the step range), and the axis label says so.
+        dodge = offset_copy(ax.transData, fig=ax.figure, y=DODGE_PT * i, units="points")
         for segment in _segments(steps[(node, rank)], recoveries):
             ax.plot([frame.x(t) for t, _ in segment], [s for _, s in segment],
-                    color=frame.colours.get(node, "#555555"), lw=width,
+                    color=frame.colours.get(node, "#555555"), lw=1.6, transform=dodge,
                     solid_capstyle="butt")  # fmt: skip
-    ax.set_ylabel("step (a line per worker)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylabel(f"step (a line per worker,\n{DODGE_PT:g} pt apart)")
+    # Lines drawn through an offset transform do not widen the data limits.
+    top = max(step for points in steps.values() for _, step in points)
+    ax.set_ylim(0, top * 1.08 + 1)
 
 
 def _segments(
@@ -169,9 +199,13 @@ def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
                 frame: _Frame) -> None:
     lane = {n: len(nodes) - 1 - i for i, n in enumerate(nodes)}
     span = max(frame.x(frame.end_ms), 1e-3)
+    waiting = never_admitted(events)
+    _draw_waiting(ax, events, waiting, lane, frame)
     for node, spans in worker_bars(events, recoveries).items():
         for start, end, number in spans:
-            width = frame.x(end) - frame.x(start)
+            if node in waiting or start >= frame.end_ms:
+                continue  # standby workers of a node never admitted did no training
+            width = frame.x(min(end, frame.end_ms)) - frame.x(start)
             ax.broken_barh([(frame.x(start), width)], (lane[node] - 0.28, 0.56),
                            facecolors=frame.colours[node], edgecolors="white", linewidth=1.5,
                            alpha=0.85)  # fmt: skip
@@ -181,14 +215,54 @@ def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
     for e in events:
         if e.name not in MARKERS or (e.name == "worker.failed" and e.source != "agent"):
             continue
-        node = str(e.metadata.get("lost")) if e.name == "node.lost" else e.node
-        if node in lane:
+        who = str(e.metadata.get("lost")) if e.name == "node.lost" else e.node
+        if who in lane and who not in waiting and e.timestamp_ms <= frame.end_ms:
             marker, colour, _label = MARKERS[e.name]
-            ax.plot(frame.x(e.timestamp_ms), lane[node], marker=marker, color=colour, ms=9,
+            ax.plot(frame.x(e.timestamp_ms), lane[who], marker=marker, color=colour, ms=9,
                     mec="white", mew=0.8, zorder=5, ls="none")  # fmt: skip
-    ax.set_yticks(range(len(nodes)), list(reversed(nodes)))
+    labels = [f"{n}\n(never admitted)" if n in waiting else n for n in reversed(nodes)]
+    ax.set_yticks(range(len(nodes)), labels)
     ax.set_ylim(-0.6, len(nodes) - 0.4)
     ax.set_ylabel("node")
+
+
+def _draw_waiting(ax: Any, events: Sequence[Event], waiting: set[str], lane: dict[str, int],
+                  frame: _Frame) -> None:
+    """A node never admitted: a hatched span from its join to the job's end, no bar."""
+    for node in waiting:
+        joined = min(e.timestamp_ms for e in events if e.node == node and e.name == "node.joined")
+        if joined >= frame.end_ms:
+            continue
+        ax.broken_barh([(frame.x(joined), frame.x(frame.end_ms) - frame.x(joined))],
+                       (lane[node] - 0.2, 0.4), facecolors="none", edgecolors="#999999",
+                       hatch="///", linewidth=0.8)  # fmt: skip
+        ax.text(frame.x(joined), lane[node] + 0.3, " waiting to be admitted", fontsize=8,
+                color="#666666", va="bottom")  # fmt: skip
+
+
+def _draw_checkpoints(ax: Any, events: Sequence[Event], frame: _Frame, on_steps: bool) -> None:
+    """Committed checkpoints: at their step on the steps panel, else along the bottom."""
+    marker, colour, _label = CHECKPOINT
+    for e in events:
+        if e.name != "checkpoint.committed" or e.timestamp_ms > frame.end_ms:
+            continue
+        y = e.step if on_steps and e.step is not None else 0
+        ax.plot(frame.x(e.timestamp_ms), y, marker=marker, color=colour, ms=6, mec="white",
+                mew=0.6, zorder=6, ls="none", clip_on=False)  # fmt: skip
+
+
+def _draw_zooms(axes: Any, recoveries: Sequence[Recovery]) -> None:
+    """Short recoveries on their own millisecond axis: a sliver on the run's axis."""
+    for ax, r in zip(axes, recoveries):
+        for p in r.phases:
+            ax.broken_barh([(p.start_ms - r.start_ms, p.end_ms - p.start_ms)], (0.15, 0.7),
+                           facecolors=PHASE_COLOURS[p.label])  # fmt: skip
+        ax.set_title(f"round {r.round} zoomed: {duration_text(r)}", fontsize=9, loc="left")
+        ax.set_xlim(0, max(r.end_ms - r.start_ms, 1) * 1.05)
+        ax.set_xlabel("ms since its start", fontsize=8)
+        ax.set_yticks([])
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
 
 
 def _draw_recovery(ax: Any, recoveries: Sequence[Recovery], frame: _Frame) -> None:
@@ -228,11 +302,16 @@ def _legend(
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=colour, label=n if n.startswith("node") else f"node {n}")
-               for n, colour in frame.colours.items()]  # fmt: skip
+    handles: list[Patch | Line2D] = [
+        Patch(color=colour, label=n if n.startswith("node") else f"node {n}")
+        for n, colour in frame.colours.items()
+    ]
     present = {e.name for e in events}
     handles += [Line2D([], [], marker=m, color=c, ls="none", ms=8, label=label)
                 for name, (m, c, label) in MARKERS.items() if name in present]  # fmt: skip
+    if "checkpoint.committed" in present:
+        marker, colour, label = CHECKPOINT
+        handles.append(Line2D([], [], marker=marker, color=colour, ls="none", ms=7, label=label))
     phases = {p.label for r in recoveries for p in r.phases}
     handles += [Patch(color=c, label=p) for p, c in PHASE_COLOURS.items() if p in phases]
     figure.legend(handles=handles, loc="outside right center", fontsize=8.5, frameon=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from elastic_rt.timeline import (
     find_recoveries,
     load_events,
 )
+from elastic_rt.timeline_draw import draw
 
 T0 = 1_700_000_000_000
 
@@ -200,3 +202,56 @@ def test_agent_events_alone_say_what_a_restart_leaves_uncounted() -> None:
     assert recovery.start_ms == T0 + 8800 and recovery.end_ms == T0 + 10450
     assert not recovery.is_end_seen
     assert duration_text(recovery) == "1.6 s + start-up"
+
+
+def _axes(figure: Any) -> dict[str, Any]:
+    return {ax.get_ylabel().split(" ")[0] or ax.get_title(loc="left"): ax for ax in figure.axes}
+
+
+def test_the_picture_titles_a_restart_with_its_true_length_and_names_the_waiting_node() -> None:
+    events = restart_run()
+    figure = draw(events, find_recoveries(events))
+    title = figure.get_suptitle()
+    assert "1 recovery (9.2 s)" in title and "e never admitted" in title
+
+
+def test_a_node_never_admitted_gets_no_bar_and_no_lane_past_the_jobs_end() -> None:
+    events = restart_run()
+    axes = _axes(draw(events, find_recoveries(events)))
+    nodes = axes["node"]
+    assert "e\n(never admitted)" in [t.get_text() for t in nodes.get_yticklabels()]
+    assert nodes.get_xlim()[1] < 17.0  # the job ended at 16.5 s; e's agent left at 18 s
+    lane_e = 0  # e sorts last, so its lane is the lowest
+    solid = [bar for bar in nodes.collections if bar.get_hatch() is None]
+    assert not any(abs(path.vertices[:, 1].mean() - lane_e) < 0.3
+                   for bar in solid for path in bar.get_paths())  # fmt: skip
+
+
+def test_checkpoints_are_drawn_at_their_step() -> None:
+    events = restart_run()
+    steps = _axes(draw(events, find_recoveries(events)))["step"]
+    marks = [line for line in steps.get_lines() if line.get_marker() == "d"]
+    assert [(float(m.get_xdata()[0]), float(m.get_ydata()[0])) for m in marks] == [(3.05, 9.0)]
+
+
+def test_a_short_recovery_gets_a_zoomed_panel_in_milliseconds() -> None:
+    events = restart_run(worker_events=False)
+    events += [_event("job.finished", 100.0, n, round=2) for n in "ab"]
+    zoomed = [ax for ax in draw(events, find_recoveries(events)).axes
+              if "zoomed" in ax.get_title(loc="left")]  # fmt: skip
+    (ax,) = zoomed
+    assert ax.get_title(loc="left") == "round 2 zoomed: 1.6 s + start-up"
+    assert ax.get_xlim()[1] == pytest.approx(1650 * 1.05)
+
+
+def test_step_lines_of_workers_in_lockstep_are_drawn_apart() -> None:
+    events = in_process_run()  # a and b complete step 1 at 1.0 s: the same data point
+    steps = _axes(draw(events, find_recoveries(events)))["step"]
+    starts = [line.get_transform().transform((line.get_xdata()[0], line.get_ydata()[0]))
+              for line in steps.get_lines()
+              if line.get_xdata()[0] == 1.0 and line.get_marker() in ("None", None)]  # fmt: skip
+    heights = sorted(float(y) for _, y in starts)
+    assert len(heights) == 3  # a, b, c
+    gap = 2.5 * steps.figure.dpi / 72
+    assert heights[1] - heights[0] == pytest.approx(gap)
+    assert heights[2] - heights[1] == pytest.approx(gap)
