@@ -101,3 +101,13 @@ class UnknownRunError(UserError):
 
 class NoEventsError(UserError):
     """An event file is missing, empty or holds no events. Not retryable."""
+
+
+class CheckpointLocationError(UserError):
+    """A checkpoint URL's bucket or folder does not exist. Not retryable: fix the URL
+    or create the location (an existing, empty location is a fresh start)."""
+
+
+class StorageUnreachableError(UserError):
+    """Checkpoint storage cannot be reached at start-up (a wrong endpoint, no network).
+    Not retryable there; the same trouble during a running job is a CheckpointError."""

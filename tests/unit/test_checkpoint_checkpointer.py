@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from elastic_rt.checkpoint import Checkpointer
+from elastic_rt.checkpoint.checkpointer import PARTIAL_GRACE_S
 from elastic_rt.checkpoint.inspect import ls, verify
 from elastic_rt.checkpoint.manifest import MANIFEST_FILE
 from elastic_rt.checkpoint.storage import call_with_retries
@@ -81,14 +84,24 @@ def test_every_save_goes_to_a_fresh_folder_and_retention_keeps_k(url: str) -> No
 def test_a_partial_folder_is_invisible_and_removed_by_the_next_save(url: str) -> None:
     ckpt = Checkpointer(url, async_save=False)
     ckpt.save(1, _state(1))
-    partial = Path(url) / "step-00000002-abcdef"
+    partial = Path(url) / "step-00000002-g000002-abcdef"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half")
     assert [i.committed for i in ckpt.list()] == [True, False]
     target = _empty()
     assert ckpt.load(target).step == 1
     ckpt.save(3, _state(3))
+    assert partial.exists()  # it may still be a live writer's
+    _age(partial, PARTIAL_GRACE_S + 60)
+    ckpt.save(4, _state(4))
     assert not partial.exists()
+
+
+def _age(folder: Path, seconds: float) -> None:
+    """Make ``folder`` and its files look last changed ``seconds`` ago."""
+    past = time.time() - seconds
+    for path in [*folder.iterdir(), folder]:
+        os.utime(path, (past, past))
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(url: str, tmp_path: Path) -> None:
