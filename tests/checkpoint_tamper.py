@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +30,11 @@ def plant(folder: Path, filename: str, data: bytes) -> None:
         if entry["path"] == filename:
             entry["size"], entry["checksum"] = len(data), checksum_of(data)
     write_manifest_json(folder, body)
+
+
+def age(folder: Path, seconds: float) -> None:
+    """Make ``folder`` and its files look last changed ``seconds`` ago (a crashed
+    writer's leftovers, as retention sees them once the grace period is over)."""
+    past = time.time() - seconds
+    for path in [*folder.iterdir(), folder]:
+        os.utime(path, (past, past))

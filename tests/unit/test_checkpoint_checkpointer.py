@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
 import uuid
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from elastic_rt.errors import (
     UnknownURLSchemeError,
 )
 from elastic_rt.events import EventSink, read_events
+from tests.checkpoint_tamper import age
 
 
 class FencedPointer:
@@ -92,16 +91,9 @@ def test_a_partial_folder_is_invisible_and_removed_by_the_next_save(url: str) ->
     assert ckpt.load(target).step == 1
     ckpt.save(3, _state(3))
     assert partial.exists()  # it may still be a live writer's
-    _age(partial, PARTIAL_GRACE_S + 60)
+    age(partial, PARTIAL_GRACE_S + 60)
     ckpt.save(4, _state(4))
     assert not partial.exists()
-
-
-def _age(folder: Path, seconds: float) -> None:
-    """Make ``folder`` and its files look last changed ``seconds`` ago."""
-    past = time.time() - seconds
-    for path in [*folder.iterdir(), folder]:
-        os.utime(path, (past, past))
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(url: str, tmp_path: Path) -> None:
