@@ -2,8 +2,9 @@
 
 ``ls`` prints one line per checkpoint folder (a damaged manifest shows as CORRUPT).
 ``verify`` checks what a load checks -- the manifest and its own checksum, DCP's
-metadata against the manifest, every file's size and checksum -- for every folder
-with a manifest; it runs no pickle and needs no process group. A missing location is
+metadata against the manifest, every file's size and checksum, every tensor item
+decoded as a load would -- for every folder with a manifest; it runs no pickle and needs
+no process group. A missing location is
 an error for both, not an empty listing.
 """
 
@@ -11,11 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from elastic_rt.checkpoint.checksum import checksum_of
 from elastic_rt.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from elastic_rt.checkpoint.manifest import FileEntry
 from elastic_rt.checkpoint.sharded import METADATA_FILE, read_header
 from elastic_rt.checkpoint.storage import NOT_A_FILE, FsspecStorage
+from elastic_rt.checkpoint.verified_read import decode_item
 from elastic_rt.errors import CorruptShardError
 
 
@@ -84,21 +88,60 @@ def verify(url: str, storage_options: dict[str, Any] | None = None) -> tuple[boo
 
 def _problems(storage: FsspecStorage, info: CheckpointInfo) -> list[str]:
     try:
-        read_header(storage, info.name)  # manifest, .metadata and their consistency
+        header = read_header(storage, info.name)  # manifest, .metadata and their consistency
     except CorruptShardError as exc:
         return [str(exc)]
-    return [p for f in info.files if f.path != METADATA_FILE
-            if (p := _check_file(storage, info.name, f))]
+    if header is None:
+        return [f"{storage.url_of(info.name)}: its manifest was removed while verifying"]
+    items = _items_by_file(header.metadata)
+    problems = []
+    for entry in info.files:
+        if entry.path == METADATA_FILE:
+            continue
+        source = storage.url_of(f"{info.name}/{entry.path}")
+        data, problem = _read_checked(storage, f"{info.name}/{entry.path}", entry)
+        problem = problem or _item_problem(memoryview(data), items.get(entry.path, []), source)
+        if problem:
+            problems.append(problem)
+    return problems
 
 
-def _check_file(storage: FsspecStorage, name: str, entry: FileEntry) -> str | None:
-    rel = f"{name}/{entry.path}"
+def _read_checked(storage: FsspecStorage, rel: str, entry: FileEntry) -> tuple[bytes, str | None]:
     try:
         data = storage.read_bytes(rel, nonempty=entry.size > 0)
     except NOT_A_FILE:
-        return f"{storage.url_of(rel)}: missing or not a file"
+        return b"", f"{storage.url_of(rel)}: missing or not a file"
     checksum = checksum_of(data, entry.checksum)
     if (len(data), checksum) != (entry.size, entry.checksum):
-        return (f"{storage.url_of(rel)}: {len(data)} bytes, checksum {checksum}; manifest "
-                f"says {entry.size} bytes, {entry.checksum}")
+        return data, (f"{storage.url_of(rel)}: {len(data)} bytes, checksum {checksum}; "
+                      f"manifest says {entry.size} bytes, {entry.checksum}")
+    return data, None
+
+
+_Item = tuple[str, int, int, tuple[int, ...]]
+"""(key, offset, length, the chunk's shape) of one stored tensor item."""
+
+
+def _items_by_file(metadata: Metadata) -> dict[str, list[_Item]]:
+    """Every item in every file, with the shape the load expects of it."""
+    shapes = {(fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
+              for fqn, entry in metadata.state_dict_metadata.items()
+              for chunk in entry.chunks}  # type: ignore[union-attr]  # checked: tensors only
+    items: dict[str, list[_Item]] = {}
+    for index, stored in metadata.storage_data.items():
+        shape = shapes[(index.fqn, tuple(index.offset or ()))]
+        items.setdefault(stored.relative_path, []).append(
+            (index.fqn, stored.offset, stored.length, shape))
+    return items
+
+
+def _item_problem(data: memoryview, items: list[_Item], source: str) -> str | None:
+    """What a load would refuse in this file's items: the first one, or None."""
+    for fqn, offset, length, shape in items:
+        try:
+            tensor = decode_item(data[offset:offset + length], source, fqn)
+        except CorruptShardError as exc:
+            return str(exc)
+        if tuple(tensor.shape) != shape:
+            return f"{source} has shape {tuple(tensor.shape)} for {fqn!r}, expected {shape}"
     return None

@@ -6,8 +6,9 @@ DCP trusts them -- a ``relative_path`` of ``../other/__0_0.distcp`` is read from
 outside the checkpoint folder, a missing index entry is a ``KeyError`` deep in a
 load. So every entry is checked here: each tensor's chunks are well-formed and each
 has a storage entry; each storage entry names a file the manifest lists (manifest
-names are plain, so the read stays in the folder) and lies inside that file; and no
-entry is a pickled object (we never write one). Anything else is corruption.
+names are plain, so the read stays in the folder), lies inside that file and overlaps
+no other; and no entry is a pickled object (we never write one). Anything else is
+corruption.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def _problem(metadata: Metadata, sizes: dict[str, int]) -> str | None:
         problem = _storage_problem(index, info, sizes, tensors)
         if problem is not None:
             return problem
+    return _overlap_problem(storage.values())
+
+
+def _overlap_problem(infos: Any) -> str | None:
+    """Items of one file never share bytes in what DCP writes (a read would hash them twice)."""
+    ranges = sorted((i.relative_path, i.offset, i.offset + i.length) for i in infos)
+    for (path, _, end), (other, start, _) in zip(ranges, ranges[1:]):
+        if path == other and start < end:
+            return f"two items overlap in {path!r} at byte {start}"
     return None
 
 

@@ -218,10 +218,14 @@ class FsspecStorage:
         ``nonempty``, when the caller knows the file is not empty, saves an object store
         the HEAD request s3fs makes to learn the size: the object is fetched with one
         GET of the range "from byte 0" (still all of it, so a size check stays exact;
-        an empty object would answer that range with an error).
+        an empty object answers that range with InvalidRange, and is then read plainly).
         """
         if nonempty:
-            return self._call(self.fs.cat_file, self.path(rel), start=0)
+            try:
+                return self._call(self.fs.cat_file, self.path(rel), start=0)
+            except CheckpointError as exc:
+                if not any(_error_code(err) == "InvalidRange" for err in _chain(exc)):
+                    raise  # else it is empty after all (damage): read it plainly
         return self._call(self.fs.cat_file, self.path(rel))
 
     def write_bytes(self, rel: str, data: bytes) -> None:

@@ -167,9 +167,7 @@ class VerifyingReader(FsspecReader):
         if item.type == LoadItemType.BYTE_IO:
             raise CorruptShardError(f"{source} holds a pickled object for {item.dest_index.fqn!r};"
                                     " it was refused")
-        tensor = decode_in_place(data)
-        if tensor is None:
-            tensor = _load_weights_only(data, source, item.dest_index.fqn)
+        tensor = decode_item(data, source, item.dest_index.fqn)
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
@@ -260,7 +258,7 @@ class _Pipeline:
             return
         listed = job.expected.size if self._sizes is None else self._sizes.get(job.rel)
         if listed is None:
-            raise CorruptShardError(f"{job.source} is missing")
+            raise CorruptShardError(f"{job.source} is missing or not a file")
         _check(job, listed, None)
         _check(job, self._read_streamed(job, hasher), hasher.value())
 
@@ -359,13 +357,24 @@ def _segments(items: list[tuple[ReadItem, int, int]]) -> list[list[tuple[ReadIte
     return runs
 
 
+def decode_item(data: memoryview, source: str, fqn: str) -> torch.Tensor:
+    """One DCP tensor item as a tensor, never running code from it.
+
+    Raises:
+        CorruptShardError: the item is not a plain tensor.
+    """
+    tensor = decode_in_place(data)
+    return tensor if tensor is not None else _load_weights_only(data, source, fqn)
+
+
 def _load_weights_only(data: memoryview, source: str, fqn: str) -> torch.Tensor:
     """The slow, general path: ``torch.load`` with torch's own restricted unpickler."""
     try:
         tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # weights_only refused it, or it is not a tensor file
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]  # torch's run long
         raise CorruptShardError(f"{source} has an item for {fqn!r} that is not a plain "
-                                f"tensor and was refused: {exc}") from exc
+                                f"tensor and was refused: {reason}") from exc
     if not isinstance(tensor, torch.Tensor):
         raise CorruptShardError(f"{source} has a {type(tensor).__name__} for {fqn!r}, "
                                 "not a tensor")
