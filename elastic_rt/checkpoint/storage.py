@@ -182,7 +182,7 @@ class FsspecStorage:
         options = dict(self.storage_options)
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
-        options.update(config_kwargs=config, skip_instance_cache=True)
+        options.update(config_kwargs=config)
         return url_to_fs(self.url, **options)[0]
 
     def _check_local(self, create: bool) -> None:
