@@ -364,6 +364,13 @@ def _plant_metadata(payload: Callable[[Site], Any]) -> Attack:
     return lambda site: site.plant(site.bad, METADATA, pickle.dumps(payload(site)))
 
 
+_MISTYPED: list[tuple[str, list[Any]]] = [
+    ("step", ["2", True, -1, 2.0, None]), ("generation", [2.5, "2", -2]),
+    ("world_size", [0, "1"]), ("created_ms", ["now"]), ("files", [{}, "x"]),
+    ("extra", [[], "x"]), ("objects", [[]]), ("layout", [["dp", 1], {"dp": "1"}, {"dp": 0}]),
+    ("torch_version", [3]), ("format_version", [99, "3", None]),
+]
+
 CASES: dict[str, tuple[Attack, str]] = {
     # the manifest's own checksum catches any edit made without recomputing it
     **{f"edit-{key}": (_manifest_edit(_set(key, value), reseal=False), "does not match")
@@ -382,12 +389,7 @@ CASES: dict[str, tuple[Attack, str]] = {
     "downgrade-format-1": (_downgrade(1), "disagree with the name"),
     # mistyped, unknown or inconsistent fields, resealed by the attacker
     **{f"mistyped-{key}-{i}": (_manifest_edit(_set(key, value)), key)
-       for key, values in [("step", ["2", True, -1, 2.0, None]), ("generation", [2.5, "2", -2]),
-                           ("world_size", [0, "1"]), ("created_ms", ["now"]),
-                           ("files", [{}, "x"]), ("extra", [[], "x"]), ("objects", [[]]),
-                           ("layout", [["dp", 1], {"dp": "1"}, {"dp": 0}]),
-                           ("torch_version", [3]), ("format_version", [99, "3", None])]
-       for i, value in enumerate(values)},
+       for key, values in _MISTYPED for i, value in enumerate(values)},
     "inconsistent-generation": (_manifest_edit(_set("generation", 9)), "disagree"),
     "inconsistent-step": (_manifest_edit(_set("step", 7)), "disagree"),
     "other-folder-name": (_manifest_edit(_set("name", "step-00000002-g000002-000000")),
