@@ -2,21 +2,21 @@
 
 DCP hands the reader a load plan: which byte ranges of which files go into which
 tensors. We read every file it touches front to back exactly once, hashing every
-byte and checking size and checksum against the manifest at the end, so damage
-anywhere in a file is caught even when only part of it is needed.
+byte and checking size and checksum against the manifest, so damage anywhere in a
+file is caught even when only part of it is needed (see the note for when).
 
 Reading runs on reader threads (one file at a time each) while the caller's thread
 decodes the items that have arrived and copies them into the model, so I/O, hashing
 and copying overlap -- all three release the GIL.
 
 * A local file is memory-mapped: items are views of the page cache, so the bytes are
-  touched twice (hash, copy into the model) where plain DCP copies them twice and
-  reads them once. One reader thread, one sequential stream.
+  touched twice (hash, then copy into the model) where plain DCP copies them twice
+  and reads them once. One reader thread, one sequential stream.
 * An object store gets one reader per file DCP wrote per rank, because one S3
   stream is slow and several in parallel are how S3 reaches its throughput. Each
-  file is fetched in ranged GETs of whole runs of items (no HEAD: the manifest
-  has the size; no file object and its cache copies), and items are views of the
-  fetched bytes. At most ``BUFFER_BUDGET`` bytes wait to be copied in.
+  file is fetched in ranged GETs of whole runs of items (no HEAD: one listing of
+  the folder has every size; no file object and its cache copies), and items are
+  views of the fetched bytes. At most ``BUFFER_BUDGET`` bytes wait to be copied in.
 
 Tensor items are decoded in place (:mod:`.tensor_file`); pickled (``BYTE_IO``)
 items are refused.

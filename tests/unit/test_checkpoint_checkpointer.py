@@ -23,7 +23,7 @@ from elastic_rt.errors import (
     UnknownURLSchemeError,
 )
 from elastic_rt.events import EventSink, read_events
-from tests.checkpoint_tamper import age
+from tests.checkpoint_tamper import age, read_manifest_json, write_manifest_json
 
 
 class FencedPointer:
@@ -209,3 +209,20 @@ def test_a_synchronous_save_is_committed_when_save_returns(url: str) -> None:
     info = ckpt.wait()
     assert info is not None and info.step == 1
     assert ckpt.wait() is None
+
+
+def test_a_checkpoint_written_before_generations_loads_and_sorts_below_new_ones(
+        url: str) -> None:
+    ckpt = Checkpointer(url, async_save=False, keep=0)
+    ckpt.save(50, _state(50))
+    (folder,) = Path(url).iterdir()
+    legacy = folder.rename(Path(url) / "step-00000050-abcdef")  # a format 2 checkpoint
+    body = read_manifest_json(legacy)
+    del body["generation"], body["manifest_checksum"]
+    body.update(format_version=2, name=legacy.name)
+    write_manifest_json(legacy, body, reseal=False)
+    target = _empty()
+    assert ckpt.load(target).name == legacy.name and torch.all(target["w"] == 50.0)
+    ckpt.save(3, _state(3))  # resumed from it: a lower step, a later commit
+    assert ckpt.load(_empty()).step == 3
+    assert verify(url)[0]
