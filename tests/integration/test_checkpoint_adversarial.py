@@ -541,11 +541,11 @@ def test_an_untouched_copy_verifies(
 
 @pytest.mark.parametrize("site", BACKENDS, indirect=True)
 def test_an_abandoned_future_never_comes_back(site: Site) -> None:
-    """Restore step 1 while step 2 exists and save step 1 again: the new commit wins
-    over the abandoned step 2 for every reader, every time."""
+    """Restore step 1 while step 2 exists and save step 2 again: the new commit wins
+    over the abandoned step 2 for every reader, every time (by name it was a coin flip)."""
     ckpt = site.checkpointer(keep=0)
     ckpt.load(_state(0.0), name=site.good)
-    ckpt.save(1, _state(5.0))  # a re-save of an older step than the abandoned step 2
+    ckpt.save(2, _state(5.0))  # the same step as the abandoned one
     (resaved,) = [n for n in (i.name for i in ckpt.list()) if n not in site.names]
     for _ in range(3):  # every reader, every time
         target = _state(0.0)
