@@ -210,8 +210,8 @@ class Checkpointer:
         corrupt the one before it (logged and reported as an event).
 
         Raises:
-            CheckpointLocationError: the bucket or folder does not exist (a local
-                folder whose parent exists is created: a new run).
+            CheckpointLocationError: the bucket or folder does not exist (a missing
+                local folder whose parent exists is a new, empty run).
             StorageUnreachableError: the storage endpoint does not answer.
             CheckpointNotFoundError: no committed checkpoint (or no ``name``) exists.
             CorruptShardError: a file is missing or damaged (every candidate, or ``name``).
@@ -256,7 +256,7 @@ class Checkpointer:
         Raises:
             CheckpointLocationError, StorageUnreachableError: see :meth:`load`.
         """
-        self._storage.check_location(create=False)
+        self._storage.check_location(allow_new_run=True)
         dirs = scan(self._storage)
         committed = set(committed_names(dirs, self._pointer_name()))
         return [self._info(d, d.name in committed) for d in dirs]
@@ -380,7 +380,7 @@ class Checkpointer:
         """
         if coord.rank_of(group) != 0:
             return [], None
-        self._storage.check_location(create=True)
+        self._storage.check_location(allow_new_run=True)
         names = self._storage.list_dirs()
         if name is not None:
             return ([name] if name in names else []), None

@@ -5,7 +5,8 @@
 metadata against the manifest, every file's size and checksum, every tensor item
 decoded as a load would -- for every folder with a manifest; it runs no pickle and needs
 no process group. A missing location is
-an error for both, not an empty listing.
+an error for both, not an empty listing (even a new run folder: nothing has been
+saved there yet, so a missing one is a typo).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def ls(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
         CheckpointLocationError, StorageUnreachableError: the location is missing or
             cannot be reached.
     """
+    FsspecStorage(url, storage_options).check_location(allow_new_run=False)
     return [_line(info) for info in Checkpointer(url, storage_options=storage_options).list()]
 
 
@@ -71,6 +73,7 @@ def verify(url: str, storage_options: dict[str, Any] | None = None) -> tuple[boo
             cannot be reached.
     """
     storage = FsspecStorage(url, storage_options)
+    storage.check_location(allow_new_run=False)
     infos = [i for i in Checkpointer(url, storage_options=storage_options).list()
              if i.committed or i.problem]
     lines: list[str] = []

@@ -69,7 +69,7 @@ class Storage(Protocol):
     def url_of(self, rel: str) -> str: ...
     def list_dirs(self) -> list[str]: ...
     def list_files(self, rel: str) -> dict[str, int]: ...
-    def check_location(self, *, create: bool) -> None: ...
+    def check_location(self, *, allow_new_run: bool) -> None: ...
     def last_change(self, rel: str) -> float | None: ...
     def exists(self, rel: str) -> bool: ...
     def read_bytes(self, rel: str, nonempty: bool = False) -> bytes: ...
@@ -144,11 +144,11 @@ class FsspecStorage:
         return {posixpath.basename(e["name"]): int(e.get("size") or 0) for e in entries
                 if e.get("type") == "file"}
 
-    def check_location(self, *, create: bool) -> None:
+    def check_location(self, *, allow_new_run: bool) -> None:
         """Make sure the root exists before anything reads "no checkpoints" from it.
 
-        A local root must be a folder; with ``create`` a missing one whose parent
-        exists is made (a new run folder under an existing root). An S3 bucket must
+        A local root must be a folder; with ``allow_new_run`` a missing one whose
+        parent exists counts as a new, empty run (the first save makes it). An S3 bucket must
         exist (prefixes are implicit: a prefix with nothing under it is an empty
         location). Few attempts (:meth:`_probe_fs`), no retries of ours: this runs at
         start-up, where a wrong endpoint should fail in seconds.
@@ -160,7 +160,7 @@ class FsspecStorage:
         """
         try:
             if self.is_local:
-                self._check_local(create)
+                self._check_local(allow_new_run)
             elif not self.is_memory:
                 self._probe_fs().info(self.root.split("/", 1)[0])  # the bucket, or raises
         except ElasticError:
@@ -185,14 +185,13 @@ class FsspecStorage:
         options.update(config_kwargs=config)
         return url_to_fs(self.url, **options)[0]
 
-    def _check_local(self, create: bool) -> None:
+    def _check_local(self, allow_new_run: bool) -> None:
         if os.path.isdir(self.root):
             return
         if os.path.exists(self.root):
             raise CheckpointLocationError(f"checkpoint path {self.root} is a file, not a folder",
                                           "Point the checkpoint URL at a folder.")
-        if create and os.path.isdir(os.path.dirname(self.root)):
-            os.makedirs(self.root, exist_ok=True)
+        if allow_new_run and os.path.isdir(os.path.dirname(self.root)):
             return
         raise CheckpointLocationError(f"checkpoint folder {self.root} does not exist",
                                       f"Create it (mkdir -p {self.root}) or fix the path.")

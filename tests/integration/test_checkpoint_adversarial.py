@@ -651,9 +651,10 @@ def test_a_missing_local_folder_is_an_error_not_a_fresh_start(
     _one_line_exit_2(capsys, [str(tmp_path / "new-run")], "does not exist")
     (tmp_path / "a-file").write_text("x")
     _one_line_exit_2(capsys, [str(tmp_path / "a-file")], "is a file")
-    # a new run folder under an existing root: made, and an empty location starts fresh
+    # a new run folder under an existing root starts fresh; so does an existing empty one
     with pytest.raises(CheckpointNotFoundError):
         Checkpointer(str(tmp_path / "new-run")).load(_state(0.0))
+    (tmp_path / "new-run").mkdir()
     code, out, _ = _run_cli(capsys, "verify", str(tmp_path / "new-run"))
     assert code == 0 and "no committed checkpoint" in out
 
