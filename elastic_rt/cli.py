@@ -272,17 +272,45 @@ def _add_checkpoint(commands: argparse._SubParsersAction) -> None:  # type: igno
     for name, text in (("ls", "list checkpoints"), ("verify", "check every file's checksum")):
         q = sub.add_parser(name, help=text)
         q.add_argument("url", help="path, file://, s3://bucket/prefix or memory://")
+        q.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="an fsspec storage option, e.g. endpoint_url=http://host:9000, "
+                            "profile=NAME, anon=true (repeatable)")
         q.set_defaults(func=_checkpoint)
+
+
+def parse_storage_options(items: Sequence[str]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs as fsspec options; ``true``/``false`` become booleans.
+
+    Raises:
+        ConfigError: an item is not ``KEY=VALUE``.
+    """
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError(f"--storage-option {item!r} is not KEY=VALUE",
+                              "Pass for example --storage-option endpoint_url=http://host:9000.")
+        options[key.strip()] = {"true": True, "false": False}.get(value.lower(), value)
+    return options
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
     from elastic_rt.checkpoint import inspect
+    from elastic_rt.checkpoint.storage import quiet_drivers
+    from elastic_rt.errors import CheckpointError
 
-    if args.action == "ls":
-        for line in inspect.ls(args.url):
-            print(line)
-        return 0
-    ok, lines = inspect.verify(args.url)
+    options = parse_storage_options(args.storage_option)
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        quiet_drivers()
+    try:
+        if args.action == "ls":
+            for line in inspect.ls(args.url, options):
+                print(line)
+            return 0
+        ok, lines = inspect.verify(args.url, options)
+    except CheckpointError as exc:  # storage failed mid-way: one line, not a traceback
+        print(f"elastic-rt: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     for line in lines:
         print(line)
     return 0 if ok else 1
