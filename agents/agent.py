@@ -31,21 +31,14 @@ from datetime import timedelta
 from types import FrameType
 
 from agents.alive import AliveServer, Liveness, probe
-from agents.worker_env import worker_envs
+from agents.worker_env import process_env, round_envs, standby_envs
 from agents.workers import WorkerExit, WorkerGroup, WorkerState
 from elastic_rt.childproc import owned_temp_dir
 from elastic_rt.config import (
-    AGENT_DIR_ENV,
-    ENDPOINT_ENV,
-    EVENTS_FILE_ENV,
-    LEASE_TTL_ENV,
-    LOCAL_RANK_ENV,
-    LOCAL_WORLD_SIZE_ENV,
-    NODE_ID_ENV,
-    RESTART_COUNT_ENV,
-    ROUND_ENV,
-    RUN_ID_ENV,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_MONITOR_INTERVAL,
     RendezvousConfig,
+    WorkerEnv,
 )
 from elastic_rt.errors import (
     EndpointUnreachableError,
@@ -84,9 +77,9 @@ class AgentConfig:
     command: list[str]
     """The worker command line (``python train.py --lr 3e-4``)."""
     nproc_per_node: int = 1
-    max_restarts: int = 3
+    max_restarts: int = DEFAULT_MAX_RESTARTS
     """Worker failures the whole job may absorb; membership changes are free."""
-    monitor_interval: timedelta = timedelta(seconds=0.1)
+    monitor_interval: timedelta = DEFAULT_MONITOR_INTERVAL
     node_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     host: str = "127.0.0.1"
     """Address other nodes reach this one's workers at (MASTER_ADDR when it is rank 0)."""
@@ -117,9 +110,7 @@ class Agent:
             nproc=config.nproc_per_node,
             alive_addr=self.alive.address,
         )
-        self.keeper = LeaseKeeper(
-            self.registry, self.info, int(rdzv.lease_ttl.total_seconds()), on_fenced=self._fence
-        )
+        self.keeper = LeaseKeeper(self.registry, self.info, rdzv.lease_ttl, on_fenced=self._fence)
         self._wake = threading.Event()
         self._leave_signal: int | None = None
         self._fenced_round: int | None = None
@@ -323,17 +314,8 @@ class Agent:
             return
         if self._ever_ran:
             self.restart_count += 1
-        envs = worker_envs(
-            os.environ,
-            round_,
-            self.info.node_id,
-            run_id=self.registry.run_id,
-            master=master,
-            restart_count=self.restart_count,
-            max_restarts=self.config.max_restarts,
-            extras=self._extras(),
-        )
-        pids = self.workers.start(self.config.command, envs)
+        envs = round_envs(self._node_env(), round_, master=master, restart_count=self.restart_count)
+        pids = self.workers.start(self.config.command, [process_env(os.environ, e) for e in envs])
         self.running_round = round_
         self._ever_ran = True
         self.events.emit(
@@ -447,16 +429,14 @@ class Agent:
         self._propose(restart_round(round_, "a collective failed; all nodes answer", _now_ms()))
         return True
 
-    def _extras(self) -> dict[str, str]:
-        extras = {
-            ENDPOINT_ENV: self.config.rendezvous.endpoint,
-            AGENT_DIR_ENV: self.agent_dir,
-            LEASE_TTL_ENV: str(int(self.config.rendezvous.lease_ttl.total_seconds())),
-        }
-        extras.update(self.config.rendezvous.auth.to_env())
-        if self.config.events_file:
-            extras[EVENTS_FILE_ENV] = self.config.events_file
-        return extras
+    def _node_env(self) -> WorkerEnv:
+        """What every local worker's environment shares, whatever the round."""
+        rdzv = self.config.rendezvous
+        return WorkerEnv(
+            node_id=self.info.node_id, run_id=rdzv.run_id, endpoint=rdzv.endpoint,
+            agent_dir=self.agent_dir, events_file=self.config.events_file,
+            lease_ttl=rdzv.lease_ttl, auth=rdzv.auth, max_restarts=self.config.max_restarts,
+        )  # fmt: skip
 
     # worker outcomes -------------------------------------------------------------
     def _succeeded(self) -> int:
@@ -526,13 +506,8 @@ class Agent:
         Workers that do not announce in time are stopped and the node joins the normal
         way (restart mode is the fallback, never a hang).
         """
-        envs = [
-            {**os.environ, **self._extras(), NODE_ID_ENV: self.info.node_id,
-             RUN_ID_ENV: self.registry.run_id, ROUND_ENV: "-1", LOCAL_RANK_ENV: str(i),
-             LOCAL_WORLD_SIZE_ENV: str(self.info.nproc), RESTART_COUNT_ENV: str(self.restart_count)}
-            for i in range(self.info.nproc)
-        ]  # fmt: skip
-        pids = self.workers.start(self.config.command, envs)
+        envs = standby_envs(self._node_env(), self.info.nproc, restart_count=self.restart_count)
+        pids = self.workers.start(self.config.command, [process_env(os.environ, e) for e in envs])
         self.events.emit(
             "worker.restarted" if self._ever_ran else "worker.started",
             pids=pids, restart_count=self.restart_count, standby=True,
@@ -544,8 +519,7 @@ class Agent:
                 break
             self._sleep(0.1)
         self.keeper = LeaseKeeper(
-            self.registry, self.info, int(self.config.rendezvous.lease_ttl.total_seconds()),
-            on_fenced=self._fence,
+            self.registry, self.info, self.config.rendezvous.lease_ttl, on_fenced=self._fence
         )
         self.keeper.start()
         if self._acks_in_process():

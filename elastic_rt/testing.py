@@ -18,8 +18,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Iterable
 
+from elastic_rt.config import DEFAULT_LEASE_TTL
 from elastic_rt.errors import StoreError
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KeyValue, KVStore
@@ -131,14 +133,15 @@ class CountingKV:
         self.counter.add("revoke_lease")
         self.inner.revoke_lease(lease_id)
 
-    def on_change(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+    def on_change(self, prefix: str, callback: Callable[[], None], *,
+                  deletes_only: bool = False) -> Callable[[], None]:
         self.counter.add("watch")
 
         def counted() -> None:
             self.counter.add("watch_event")
             callback()
 
-        return self.inner.on_change(prefix, counted)
+        return self.inner.on_change(prefix, counted, deletes_only=deletes_only)
 
     def close(self) -> None:
         self.inner.close()
@@ -152,7 +155,7 @@ class SimulatedNode:
         run_id: the run to join.
         node_id: unique within the run.
         limits: ``--nnodes MIN:MAX`` and the last-call window.
-        ttl: lease time-to-live in whole seconds.
+        ttl: lease time-to-live.
         nproc: workers this node would run (only recorded in the round).
         wait_poll: seconds between snapshots while waiting (the agent's 0.5 s).
         member_poll: seconds between snapshots while in a round (the agent's
@@ -169,7 +172,7 @@ class SimulatedNode:
         node_id: str,
         limits: Limits,
         *,
-        ttl: int = 5,
+        ttl: timedelta = DEFAULT_LEASE_TTL,
         nproc: int = 1,
         wait_poll: float = 0.5,
         member_poll: float = 0.1,
@@ -373,7 +376,7 @@ def form_round(
     run_id: str,
     n_nodes: int,
     *,
-    ttl: int = 10,
+    ttl: timedelta = timedelta(seconds=10),
     timeout: float = 60.0,
     **node_kwargs: object,
 ) -> FormResult:

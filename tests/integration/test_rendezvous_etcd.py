@@ -7,6 +7,7 @@ keeper and runs the agent's decide loop; only the workers are missing.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Callable, Iterator
 
 import pytest
@@ -69,7 +70,8 @@ def test_eight_nodes_form_one_round_with_one_writer_and_ranks_by_arrival(
 def test_expired_lease_gives_a_next_round_of_survivors_in_their_order(
     start: Starter, run_id: str
 ) -> None:
-    nodes = start(run_id, [f"node-{i}" for i in range(8)], Limits(min_nodes=6, max_nodes=8), ttl=2)
+    nodes = start(run_id, [f"node-{i}" for i in range(8)], Limits(min_nodes=6, max_nodes=8),
+                  ttl=timedelta(seconds=2))
     first = agreed_round(nodes, lambda r: r.number == 0)
     victim = next(n for n in nodes if n.node_id == first.members[3])
     victim.crash()  # stops renewing; the key goes only when etcd expires the lease
