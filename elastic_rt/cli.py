@@ -188,7 +188,8 @@ def _worker_command(args: argparse.Namespace) -> list[str]:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from agents.agent import Agent, AgentConfig
+    from agents.agent import Agent
+    from agents.config import AgentConfig
     from elastic_rt.etcd_server import EtcdServer, is_port_free
 
     min_nodes, max_nodes = cfg.parse_nnodes(args.nnodes)

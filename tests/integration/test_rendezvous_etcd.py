@@ -1,7 +1,7 @@
 """Rendezvous against a real etcd: many simulated nodes (threads) in one process.
 
-Each :class:`~elastic_rt.testing.SimulatedNode` has its own etcd client and lease
-keeper and runs the agent's decide loop; only the workers are missing.
+Each :class:`~agents.simulated.SimulatedNode` has its own etcd client and lease
+keeper and runs the agent's own decisions (agents/policy.py); only the workers are missing.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Callable, Iterator
 
 import pytest
 
+from agents.simulated import SimulatedNode, start_nodes, stop_nodes
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import Limits, Round, Wait
-from elastic_rt.testing import SimulatedNode, start_nodes, stop_nodes
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
