@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from agents.policy import Settings
-from elastic_rt.config import DEFAULT_MAX_RESTARTS, DEFAULT_MONITOR_INTERVAL, RendezvousConfig
+from elastic_rt.config import (
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_MONITOR_INTERVAL,
+    DEFAULT_REFORM_TIMEOUT,
+    RendezvousConfig,
+)
 from elastic_rt.errors import RendezvousTimeoutError
 from elastic_rt.rendezvous.rounds import Limits
 
@@ -31,7 +36,7 @@ class AgentConfig:
     grace_period: timedelta = timedelta(seconds=3)
     """SIGTERM to SIGKILL when stopping workers."""
     store_wait: timedelta = timedelta(seconds=30)
-    reform_timeout: timedelta = timedelta(seconds=120)
+    reform_timeout: timedelta = DEFAULT_REFORM_TIMEOUT
     """In-process workers that have not joined a new round by then are restarted."""
 
     def join_timed_out(self, registered: int) -> RendezvousTimeoutError:

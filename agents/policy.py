@@ -23,7 +23,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from agents.workers import WorkerExit, WorkerState
-from elastic_rt.config import DEFAULT_MAX_RESTARTS, DEFAULT_MONITOR_INTERVAL
+from elastic_rt.config import (
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_MONITOR_INTERVAL,
+    DEFAULT_REFORM_TIMEOUT,
+)
 from elastic_rt.rendezvous import rounds
 from elastic_rt.rendezvous.rounds import Limits, Propose, Round, Snapshot, restart_round
 
@@ -196,7 +200,7 @@ class Settings:
     retry_after: timedelta = timedelta(seconds=0.5)
     """After etcd did not answer."""
     join_timeout: timedelta = timedelta.max
-    reform_timeout: timedelta = timedelta(seconds=120)
+    reform_timeout: timedelta = DEFAULT_REFORM_TIMEOUT
     max_restarts: int = DEFAULT_MAX_RESTARTS
 
 

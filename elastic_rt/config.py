@@ -55,6 +55,8 @@ DEFAULT_LAST_CALL = timedelta(seconds=1)
 DEFAULT_JOIN_TIMEOUT = timedelta(seconds=600)
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_MONITOR_INTERVAL = timedelta(seconds=0.1)
+DEFAULT_REFORM_TIMEOUT = timedelta(seconds=120)
+"""In-process workers that have not joined a new round by then are restarted."""
 
 
 def env_seconds(env: Mapping[str, str], name: str) -> timedelta | None:
