@@ -31,6 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -43,7 +44,7 @@ from agents.simulated import form_round
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.testing import OpCounter
 
-LOOPS = {
+LOOPS: dict[str, dict[str, Any]] = {
     "agent": {"wake_on": "round", "member_poll": 1.0},
     "any-write": {},
 }
