@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -29,7 +29,7 @@ def start(etcd_server: EtcdServer) -> Iterator[Starter]:
     started: list[SimulatedNode] = []
 
     def _start(
-        run_id: str, names: list[str], limits: Limits, **kwargs: object
+        run_id: str, names: list[str], limits: Limits, **kwargs: Any
     ) -> list[SimulatedNode]:
         nodes = start_nodes(etcd_server.endpoint, run_id, names, limits, **kwargs)
         started.extend(nodes)
