@@ -8,6 +8,7 @@ is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -24,12 +25,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastic-rt`` command."""
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("ELASTIC_RT_LOG_LEVEL", "INFO"),
-        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     try:
+        _configure_logging(os.environ.get(cfg.LOG_LEVEL_ENV, "INFO"))
         code = int(args.func(args) or 0)
     except UserError as exc:
         print(f"elastic-rt: error: {exc.one_line()}", file=sys.stderr)
@@ -45,6 +42,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _configure_logging(level: str) -> None:
+    """Log to stderr at ``level``; an unknown level name is a user error, not a traceback."""
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise ConfigError(f"{cfg.LOG_LEVEL_ENV}={level!r} is not a log level",
+                          "Use DEBUG, INFO, WARNING or ERROR.")
+    logging.basicConfig(
+        level=level.upper(),
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _seconds(text: str) -> timedelta:
+    """An argparse type: a flag's value in seconds, kept as a duration from here on."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
+    return timedelta(seconds=seconds)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -70,32 +90,37 @@ def _parser() -> argparse.ArgumentParser:
 def _add_launch(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = commands.add_parser("launch", help="run a training script on this node, elastically")
     p.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (torchrun's meaning)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this node")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                   help="workers on this node")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
-                   help="etcd://host:port of the rendezvous (a cluster: etcd://h1:2379,h2:2379,...); "
-                        "none starts a private etcd on 127.0.0.1")
+                   help="etcd://host:port of the rendezvous (a cluster: "
+                        "etcd://h1:2379,h2:2379,...); none starts a private etcd on 127.0.0.1")
     p.add_argument("--rdzv-backend", "--rdzv_backend", default="etcd", help="only 'etcd' (v3 API)")
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", default="default",
                    help="names the job; two run ids on one etcd never meet")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=cfg.DEFAULT_MAX_RESTARTS,
                    help="worker failures the whole job absorbs (membership changes are free)")
-    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
-                   help="seconds between worker checks")
-    p.add_argument("--lease-ttl", type=int, default=int(os.environ.get(cfg.LEASE_TTL_ENV, 5)),
-                   help=f"seconds a silent node stays a member (env {cfg.LEASE_TTL_ENV})")
-    p.add_argument("--last-call", type=float, default=1.0,
+    p.add_argument("--monitor-interval", "--monitor_interval", type=_seconds,
+                   default=cfg.DEFAULT_MONITOR_INTERVAL, help="seconds between worker checks")
+    # None: the environment decides, read in _launch, inside main's error guard.
+    p.add_argument("--lease-ttl", type=_seconds, default=None,
+                   help=f"seconds a silent node stays a member (env {cfg.LEASE_TTL_ENV}, "
+                        f"default {cfg.DEFAULT_LEASE_TTL.total_seconds():g})")
+    p.add_argument("--last-call", type=_seconds, default=cfg.DEFAULT_LAST_CALL,
                    help="seconds to wait for more nodes once MIN have joined")
-    p.add_argument("--join-timeout", type=float, default=600.0,
+    p.add_argument("--join-timeout", type=_seconds, default=cfg.DEFAULT_JOIN_TIMEOUT,
                    help="seconds to wait for MIN nodes before giving up")
     p.add_argument("--node-id", default=None, help="this node's name (default host-pid)")
     p.add_argument("--local-addr", default=None,
-                   help="address peers reach this node at (default 127.0.0.1 for a loopback endpoint)")
+                   help="address peers reach this node at "
+                        "(default 127.0.0.1 for a loopback endpoint)")
     p.add_argument("--etcd-port", type=int, default=None, help="client port of the private etcd")
     p.add_argument("--events-file", default=os.environ.get(cfg.EVENTS_FILE_ENV),
                    help="append JSON-lines events here")
     _add_etcd_auth(p)
     p.add_argument("-m", "--module", action="store_true", help="run the script as 'python -m'")
-    p.add_argument("--no-python", "--no_python", action="store_true", help="run the script as a program")
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run the script as a program")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=_launch)
@@ -103,7 +128,8 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 def _add_etcd_auth(p: argparse.ArgumentParser) -> None:
     env = os.environ
-    p.add_argument("--etcd-cacert", default=env.get(cfg.ETCD_CACERT_ENV), help="CA of etcd's TLS certificate")
+    p.add_argument("--etcd-cacert", default=env.get(cfg.ETCD_CACERT_ENV),
+                   help="CA of etcd's TLS certificate")
     p.add_argument("--etcd-cert", default=env.get(cfg.ETCD_CERT_ENV), help="client certificate")
     p.add_argument("--etcd-key", default=env.get(cfg.ETCD_KEY_ENV), help="client key")
     p.add_argument("--etcd-user", default=env.get(cfg.ETCD_USER_ENV),
@@ -114,12 +140,14 @@ def _auth(args: argparse.Namespace, tls: bool = False) -> cfg.EtcdAuth:
     for flag in ("etcd_cacert", "etcd_cert", "etcd_key"):
         path = getattr(args, flag)
         if path and not os.path.isfile(path):
-            raise ConfigError(f"--{flag.replace('_', '-')} {path} does not exist", "Pass the path of a PEM file.")
+            raise ConfigError(f"--{flag.replace('_', '-')} {path} does not exist",
+                              "Pass the path of a PEM file.")
     if bool(args.etcd_cert) != bool(args.etcd_key):
         raise ConfigError("--etcd-cert and --etcd-key go together", "Pass both or neither.")
     password = os.environ.get(cfg.ETCD_PASSWORD_ENV)
     if args.etcd_user and not password:
-        raise ConfigError(f"--etcd-user {args.etcd_user} has no password", f"Set {cfg.ETCD_PASSWORD_ENV}.")
+        raise ConfigError(f"--etcd-user {args.etcd_user} has no password",
+                          f"Set {cfg.ETCD_PASSWORD_ENV}.")
     return cfg.EtcdAuth(
         cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
         user=args.etcd_user, password=password if args.etcd_user else None, tls=tls,
@@ -160,56 +188,59 @@ def _worker_command(args: argparse.Namespace) -> list[str]:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from agents.agent import Agent, AgentConfig
+    from agents.agent import Agent
+    from agents.config import AgentConfig
     from elastic_rt.etcd_server import EtcdServer, is_port_free
 
     min_nodes, max_nodes = cfg.parse_nnodes(args.nnodes)
     if args.rdzv_backend not in ("etcd", "etcd-v3"):
-        raise ConfigError(f"--rdzv-backend {args.rdzv_backend} is not supported", "Use --rdzv-backend etcd.")
+        raise ConfigError(f"--rdzv-backend {args.rdzv_backend} is not supported",
+                          "Use --rdzv-backend etcd.")
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is below 1", "Pass 1 or more.")
     endpoint, tls = parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else ("", False)
+    # Every value is checked before a private etcd starts: a mistake costs nothing to clean up.
+    rendezvous = cfg.RendezvousConfig(
+        run_id=args.run_id,
+        endpoint=endpoint,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        lease_ttl=(args.lease_ttl or cfg.env_seconds(os.environ, cfg.LEASE_TTL_ENV)
+                   or cfg.DEFAULT_LEASE_TTL),
+        last_call=args.last_call,
+        join_timeout=args.join_timeout,
+        auth=_auth(args, tls),
+    )
     command = _worker_command(args)
-    auth = _auth(args, tls)
-    server = None
     if not endpoint and args.etcd_port is not None and not is_port_free(args.etcd_port):
         # Checked here so the fix names launch's flag, not `elastic-rt etcd --port`.
         raise ConfigError(
             f"--etcd-port {args.etcd_port} is already in use on 127.0.0.1",
             "Pick another --etcd-port, or leave it out to get a free one.",
         )
-    if not endpoint:
-        server = EtcdServer(port=args.etcd_port).start()
-        endpoint = server.endpoint
-        logger.info("private etcd at etcd://%s", endpoint)
-    host = args.local_addr or (
-        "127.0.0.1" if endpoint.split(":")[0] in ("127.0.0.1", "localhost") else _fqdn()
-    )
-    if host == "127.0.0.1":
-        # Keep gloo on loopback too, whatever the host name resolves to.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    rendezvous = cfg.RendezvousConfig(
-        run_id=args.run_id,
-        endpoint=endpoint,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        lease_ttl=timedelta(seconds=args.lease_ttl),
-        last_call=timedelta(seconds=args.last_call),
-        join_timeout=timedelta(seconds=args.join_timeout),
-        auth=auth,
-    )
-    extra = {"node_id": args.node_id} if args.node_id else {}
-    config = AgentConfig(
-        rendezvous=rendezvous,
-        command=command,
-        nproc_per_node=args.nproc_per_node,
-        max_restarts=args.max_restarts,
-        monitor_interval=timedelta(seconds=args.monitor_interval),
-        host=host,
-        events_file=args.events_file,
-        **extra,
-    )
+    server = None if endpoint else EtcdServer(port=args.etcd_port).start()
     try:
+        if server is not None:
+            rendezvous = dataclasses.replace(rendezvous, endpoint=server.endpoint)
+            logger.info("private etcd at etcd://%s", server.endpoint)
+        host = args.local_addr or (
+            "127.0.0.1" if rendezvous.endpoint.split(":")[0] in ("127.0.0.1", "localhost")
+            else _fqdn()
+        )  # fmt: skip
+        if host == "127.0.0.1":
+            # Keep gloo on loopback too, whatever the host name resolves to.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        extra = {"node_id": args.node_id} if args.node_id else {}
+        config = AgentConfig(
+            rendezvous=rendezvous,
+            command=command,
+            nproc_per_node=args.nproc_per_node,
+            max_restarts=args.max_restarts,
+            monitor_interval=args.monitor_interval,
+            host=host,
+            events_file=args.events_file,
+            **extra,
+        )
         return Agent(config).run()
     finally:
         if server is not None:
@@ -262,7 +293,8 @@ def _status(args: argparse.Namespace) -> int:
     from elastic_rt.status import show_status
 
     endpoint, tls = parse_endpoint(args.rdzv_endpoint)
-    print(show_status(endpoint, args.run_id, auth=_auth(args, tls), events_file=args.events_file, as_json=args.json))
+    print(show_status(endpoint, args.run_id, auth=_auth(args, tls), events_file=args.events_file,
+                      as_json=args.json))
     return 0
 
 
