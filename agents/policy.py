@@ -515,6 +515,11 @@ class FailureStep(enum.Enum):
 
 def on_worker_failure(facts: FailureFacts) -> FailureStep | Failed:
     """The first step after a local worker failed; a :class:`Failed` closes the run."""
+    if facts.snapshot.closed is not None:
+        # A worker closed the run before exiting (an error in the user's code): the job
+        # is over on every node; restarting here would only repeat the error.
+        closed = closed_outcome(facts.snapshot.closed)
+        return closed if isinstance(closed, Failed) else Failed(closed.reason)
     if facts.snapshot.completing:
         return Failed(f"a worker exited with {facts.first.exitcode} while the job was finishing")
     if facts.round_changed and not facts.in_process:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -65,7 +64,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from elastic_rt.checkpoint import Checkpointer
-from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV, WorkerEnv
+from elastic_rt.config import DEFAULT_REFORM_TIMEOUT, WorkerEnv
 from elastic_rt.errors import (
     CheckpointError,
     ConfigError,
@@ -125,7 +124,7 @@ def run(
     micro_batch_size: int | None = None,
     limits: ModelLimits = ModelLimits(),
     max_failed_steps: int = 3,
-    reform_timeout: timedelta = timedelta(seconds=120),
+    reform_timeout: timedelta = DEFAULT_REFORM_TIMEOUT,
     collate: Callable[[list[Any]], Any] = default_collate,
     loader: LoaderOptions | None = None,
     grad_sync: GradSync = GradSync(),
@@ -485,7 +484,4 @@ def _collective_timeout(env: WorkerEnv) -> timedelta:
     Joining a round has its own, longer timeout (a new node may still be starting).
     Override with ``ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC``.
     """
-    explicit = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
-    if explicit:
-        return timedelta(seconds=float(explicit))
-    return env.lease_ttl
+    return env.collective_timeout or env.lease_ttl

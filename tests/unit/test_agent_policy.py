@@ -285,6 +285,8 @@ def facts(snapshot: Snapshot, *, in_process: bool = False) -> FailureFacts:
     (Snapshot(round=R2, nodes=nodes("a", "b", "c")), True, FailureStep.CLAIM),
     (IN_R1, False, FailureStep.PROBE),
     (IN_R1, True, FailureStep.PROBE),
+    (dataclasses.replace(IN_R1, closed="failed: rank 0 failed at step 5: KeyError: 'x'"), True,
+     Failed("rank 0 failed at step 5: KeyError: 'x'")),
 ])
 def test_first_step_after_a_worker_failure(snapshot: Snapshot, in_process: bool,
                                            step: FailureStep | Failed) -> None:
