@@ -82,6 +82,7 @@ from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.allocator import pin_mmap_threshold
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, check_dataset
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
@@ -178,6 +179,7 @@ def run(
             "Apply autocast and clipping inside the object's step(), or pass a step function.",
         )
     check_dataset(dataset)
+    pin_mmap_threshold()  # a steady heap over a long run; see worker/allocator.py
     sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
                              micro_batch_size=micro_batch_size)
     options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
