@@ -83,7 +83,8 @@ class LeaseKeeper:
             except (StoreError, CredentialsError) as exc:
                 # Refused credentials (a revoked role) fence like a lost connection.
                 logger.debug("lease renewal failed: %s", exc)
-                if not self.is_fenced and time.monotonic() - self._last_renewed > self.ttl - self.margin:
+                silent = time.monotonic() - self._last_renewed
+                if not self.is_fenced and silent > self.ttl - self.margin:
                     self._fence(f"could not renew the lease for {self.ttl - self.margin:.1f} s")
             except Exception:  # noqa: BLE001 - thread boundary: log, keep the node fenced-safe
                 logger.exception("lease keeper error")
