@@ -42,10 +42,15 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     if args.global_batch % world:
-        raise SystemExit(f"--global-batch {args.global_batch} must divide by the world size {world}")
+        raise SystemExit(
+            f"--global-batch {args.global_batch} must divide by the world size {world}"
+        )
     dataset = Regression(n=args.global_batch * 50, width=args.width)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
-    loader = DataLoader(dataset, batch_size=args.global_batch // world, sampler=sampler, drop_last=True)
+    sampler: DistributedSampler[tuple[torch.Tensor, torch.Tensor]] = DistributedSampler(
+        dataset, shuffle=True, seed=0, drop_last=True
+    )
+    loader = DataLoader(dataset, batch_size=args.global_batch // world, sampler=sampler,
+                        drop_last=True)
     torch.manual_seed(0)  # the example's initial model
     model = DDP(torch.nn.Sequential(
         torch.nn.Linear(args.width, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)

@@ -30,6 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -41,7 +42,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.testing import OpCounter, form_round
 
-LOOPS = {
+LOOPS: dict[str, dict[str, Any]] = {
     "agent": {"wake_on": "round", "member_poll": 1.0},
     "any-write": {},
 }

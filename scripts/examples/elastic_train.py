@@ -63,7 +63,8 @@ def main() -> None:
             time.sleep(args.step_time)
         return torch.nn.functional.mse_loss(state.model(x), y)
 
-    checkpoint = ert.Checkpointer(args.checkpoint, every_steps=args.every) if args.checkpoint else None
+    checkpoint = (ert.Checkpointer(args.checkpoint, every_steps=args.every)
+                  if args.checkpoint else None)
     state = ert.run(
         build=build,
         step=train_step,

@@ -16,7 +16,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -24,6 +24,7 @@ from elastic_rt.config import ETCD_PASSWORD_ENV, EtcdAuth
 from elastic_rt.errors import ConfigError, CredentialsError, StoreConnectionError
 from elastic_rt.etcd_server import EtcdServer, find_etcd_binary
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.kv import KeyValue
 from tests.fixtures.processes import ProcessTree, wait_until
 from tests.fixtures.tls import Pki, issue_client_cert, make_pki
 from tests.integration.launch_helpers import REPO, agent_env
@@ -82,7 +83,12 @@ def _bash(script: str, env: dict[str, str]) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def _mtls(pki: Pki, **more: str) -> EtcdAuth:
+def _value(found: KeyValue | None) -> bytes | None:
+    """A key's value, or None when the key is missing."""
+    return found.value if found is not None else None
+
+
+def _mtls(pki: Pki, **more: Any) -> EtcdAuth:
     return EtcdAuth(cacert=pki.ca, cert=pki.client_cert, key=pki.client_key, **more)
 
 
@@ -142,7 +148,7 @@ def test_mutual_tls_client_uses_kv_leases_transactions_and_watches(
     try:
         lease = kv.grant_lease(5)
         kv.put(prefix + "a", b"1", lease=lease)
-        assert kv.get(prefix + "a").value == b"1"
+        assert _value(kv.get(prefix + "a")) == b"1"
         assert kv.put_if(prefix + "b", b"2", expect={prefix + "b": 0}) is not None
         assert kv.put_if(prefix + "b", b"3", expect={prefix + "b": 0}) is None
         assert [item.key for item in kv.get_prefix(prefix)] == [prefix + "a", prefix + "b"]
@@ -239,7 +245,7 @@ def test_run_user_reads_and_writes_only_its_own_prefix(secured: Secured) -> None
                 attempt()
             assert "permission denied" in _one_line(exc)
             assert password not in str(exc.value)
-    assert root.get(f"/elastic_rt/{theirs}/nodes/x").value == b"secret"
+    assert _value(root.get(f"/elastic_rt/{theirs}/nodes/x")) == b"secret"
     kv.close()
     root.close()
 
@@ -378,7 +384,7 @@ def test_login_is_renewed_after_etcd_restarts(secured: Secured) -> None:
         return True
 
     wait_until(put_works, 20, "a put after the restart")
-    assert kv.get(f"/elastic_rt/{run}/a").value == b"2"
+    assert _value(kv.get(f"/elastic_rt/{run}/a")) == b"2"
     # The watch re-arms on its own within a second; keep writing until it reports.
     wait_until(lambda: kv.put(f"/elastic_rt/{run}/a", b"3") and woke.is_set(), 10,
                "the re-armed watch to fire with the new token")

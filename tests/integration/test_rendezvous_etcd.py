@@ -7,7 +7,7 @@ keeper and runs the agent's decide loop; only the workers are missing.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -28,7 +28,7 @@ def start(etcd_server: EtcdServer) -> Iterator[Starter]:
     started: list[SimulatedNode] = []
 
     def _start(
-        run_id: str, names: list[str], limits: Limits, **kwargs: object
+        run_id: str, names: list[str], limits: Limits, **kwargs: Any
     ) -> list[SimulatedNode]:
         nodes = start_nodes(etcd_server.endpoint, run_id, names, limits, **kwargs)
         started.extend(nodes)

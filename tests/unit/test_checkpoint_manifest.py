@@ -58,7 +58,8 @@ def test_parse_step_ignores_folders_that_are_not_ours(name: str) -> None:
 def test_manifest_round_trips_through_json() -> None:
     manifest = Manifest(name="step-00000007-abcdef", step=7, layout={"dp": 2},
                         extra={"sampler": {"position": 3}}, objects={"lr": 0.1},
-                        files=(FileEntry(".metadata", 10, "xxh3_64:00000000deadbeef"),), world_size=2)
+                        files=(FileEntry(".metadata", 10, "xxh3_64:00000000deadbeef"),),
+                        world_size=2)
     again = Manifest.from_json(manifest.to_json(), "x")
     assert again == manifest
     assert again.nbytes == 10

@@ -17,7 +17,8 @@ class _Counting:
 def test_a_slow_write_logs_bytes_written_so_far(caplog: pytest.LogCaptureFixture) -> None:
     fs = _Counting()
     caplog.set_level(logging.INFO, logger="elastic_rt.checkpoint.sharded")
-    with sharded._progress(fs, "file:///ckpt/step-00000001-abcdef", 4_000_000, every=0.05):  # type: ignore[arg-type]
+    url = "file:///ckpt/step-00000001-abcdef"
+    with sharded._progress(fs, url, 4_000_000, every=0.05):  # type: ignore[arg-type]
         fs.written = 2_000_000
         deadline = time.monotonic() + 10
         while "2.0 of 4.0 MB" not in caplog.text and time.monotonic() < deadline:
