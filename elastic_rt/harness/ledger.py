@@ -83,6 +83,8 @@ class ProcessLedger:
         with self._lock:
             roots = list(self._roots)
         for root in roots:
+            if not _running(root):
+                continue  # gone: its PID may be someone else's by now
             with contextlib.suppress(psutil.Error):
                 self._remember(root.children(recursive=True))
 

@@ -23,11 +23,11 @@ import pytest
 from elastic_rt.config import ETCD_PASSWORD_ENV, EtcdAuth
 from elastic_rt.errors import ConfigError, CredentialsError, StoreConnectionError
 from elastic_rt.etcd_server import EtcdServer, find_etcd_binary
+from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KeyValue
-from tests.fixtures.processes import ProcessTree, wait_until
+from tests.fixtures.processes import ProcessTree
 from tests.fixtures.tls import Pki, issue_client_cert, make_pki
-from tests.integration.launch_helpers import REPO, agent_env
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 
@@ -305,7 +305,7 @@ def test_cli_prints_a_refusal_as_one_line(secured: Secured, tmp_path: Path, mist
         expected = f"etcd at {secured.server.endpoint} refused our TLS client certificate"
     (tmp_path / "unused.py").write_text("")
     command = [sys.executable, "-m", "elastic_rt.cli", *flags, "--nnodes", "1", "unused.py"]
-    env = {**agent_env(), ETCD_PASSWORD_ENV: password}
+    env = {**child_env(), ETCD_PASSWORD_ENV: password}
     result = subprocess.run(
         command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
@@ -337,7 +337,7 @@ def test_launch_over_tls_and_auth_finishes_and_leaks_no_secret(
     script.write_text(
         "import os, sys\nsys.exit(0 if os.environ.get('ELASTIC_RT_ETCD_USER') else 3)"
     )
-    env = {**agent_env(), ETCD_PASSWORD_ENV: password, "ELASTIC_RT_LOG_LEVEL": "DEBUG"}
+    env = {**child_env(), ETCD_PASSWORD_ENV: password, "ELASTIC_RT_LOG_LEVEL": "DEBUG"}
     agents = [
         process_tree.elastic_rt(*_launch_flags(secured, run, tmp_path, node), "--nnodes", "2",
                                 str(script), env=env, log=str(tmp_path / f"{node}.log"))

@@ -21,11 +21,12 @@ import torch
 from torch.utils.data import default_collate
 
 from elastic_rt.events import Event
+from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.sampler import ElasticSampler
 from scripts.examples import parallel_models as pm
 from scripts.examples import pipeline_train as pt
-from tests.fixtures.processes import ProcessTree, wait_until
-from tests.integration.launch_helpers import REPO, agent_env, events, launch_args
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import events, launch_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
@@ -39,7 +40,7 @@ def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str):
     script = [SCRIPT, "--steps", str(STEPS), "--every", str(EVERY), "--step-time", "0.15",
               "--global-batch", str(GLOBAL_BATCH), "--samples", str(SAMPLES),
               "--checkpoint", f"file://{tmp / 'ckpt'}", "--out", str(tmp / "out")]
-    return tree.elastic_rt(*args, *script, env=agent_env(), log=str(tmp / f"{name}.log"))
+    return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
 
 
 def _step(event: Event) -> int:
