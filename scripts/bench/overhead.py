@@ -33,9 +33,10 @@ import time
 import uuid
 from pathlib import Path
 
-from _common import PYTHON, REPO, JsonLines, Procs, env_with_repo, fmt, interruptible, median, table
+from _common import JsonLines, fmt, interruptible, median, table
 
 from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env
 
 ELASTIC_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
 TWIN_SCRIPT = str(REPO / "scripts" / "bench" / "ddp_twin.py")
@@ -80,9 +81,9 @@ def _model_args(args: argparse.Namespace) -> list[str]:
 
 
 def _run(command: list[str], log: Path, timeout: float) -> None:
-    procs = Procs()
+    procs = ProcessLedger()
     try:
-        proc = procs.start(command, env=env_with_repo(OMP_NUM_THREADS="1"), log=log)
+        proc = procs.start(command, env=child_env(OMP_NUM_THREADS="1"), log=log)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -69,21 +69,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
-from _common import (
-    PYTHON,
-    REPO,
-    JsonLines,
-    Procs,
-    env_with_repo,
-    fmt,
-    interruptible,
-    median,
-    table,
-    wait_for,
-)
+from _common import JsonLines, fmt, interruptible, median, table
 
 from elastic_rt.etcd_server import EtcdServer, free_port
+from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env, wait_until
 
 ELASTIC_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
 TORCHRUN_SCRIPT = str(REPO / "scripts" / "examples" / "torchrun_ddp.py")
@@ -91,6 +82,8 @@ NODES = ("a", "b", "c")
 VICTIM = "c"
 FAST_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,close_timeout=1"
 FAST_MONITOR = 0.1
+_POLL_S = 0.02  # how often waits look at the progress files (recovery times are in 0.1 s)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -159,8 +152,8 @@ def _rows(case: Case, tail: JsonLines) -> list[Row]:
 class Job:
     """One trial's three nodes."""
 
-    def __init__(self, case: Case, args: argparse.Namespace, procs: Procs, etcd: EtcdServer | None,
-                 work: Path) -> None:
+    def __init__(self, case: Case, args: argparse.Namespace, procs: ProcessLedger,
+                 etcd: EtcdServer | None, work: Path) -> None:
         self.case, self.args, self.procs, self.etcd, self.work = case, args, procs, etcd, work
         self.events = work / "events.jsonl"
         self.output = self.events if case.in_process else work / "progress.jsonl"
@@ -209,30 +202,36 @@ class Job:
 
     def _env(self) -> dict[str, str]:
         # elastic-rt's defaults throughout: the collective timeout follows the lease TTL.
-        return env_with_repo()
+        return child_env()
 
     def poll(self) -> list[Row]:
         new = _rows(self.case, self.tail)
         self.rows.extend(new)
         return self.rows
 
-    def _check_alive(self) -> bool:
-        """Raise if a node exited unexpectedly; else False, so it chains into a wait with ``or``."""
+    def _check_alive(self) -> None:
         for node, pid in self.nodes.items():
             proc = next(p for p in self.procs.procs if p.pid == pid)
             if proc.poll() is not None and not (node == VICTIM and self._faulted):
                 log = (self.work / f"{node}.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"node {node} exited with {proc.returncode}:\n{log}")
-        return False
+
+    def _until(self, condition: Callable[[], T | None], timeout: float, what: str) -> T:
+        """:func:`wait_until`, but a node that exited unexpectedly fails the wait at once."""
+
+        def alive_and() -> T | None:
+            self._check_alive()
+            return condition()
+
+        return wait_until(alive_and, timeout, what, interval=_POLL_S)
 
     _faulted = False
 
     def run_trial(self) -> Trial:
         a = self.args
         self.start()
-        wait_for(lambda: (self._check_alive()
-                          or max((r.step for r in self.poll()), default=0) >= a.kill_step),
-                 a.start_timeout, f"step {a.kill_step}")
+        self._until(lambda: max((r.step for r in self.poll()), default=0) >= a.kill_step,
+                    a.start_timeout, f"step {a.kill_step}")
         victim_tree = self.procs.tree(self.nodes[VICTIM]) if VICTIM in self.nodes else []
         old_pids = {p.pid for pid in self.nodes.values() for p in self.procs.tree(pid)}
         fault_round = max((r.round or 0) for r in self.poll())
@@ -248,13 +247,11 @@ class Job:
                 return r.node != VICTIM and (r.round or 0) > fault_round
             return r.pid not in old_pids
 
-        first = wait_for(lambda: (self._check_alive()
-                                  or next((r for r in self.poll() if recovered(r)), None)),
-                         a.recover_timeout, "the survivors' next step")
+        first = self._until(lambda: next((r for r in self.poll() if recovered(r)), None),
+                            a.recover_timeout, "the survivors' next step")
         # The job must go on after recovery (a false eviction would show here).
-        wait_for(lambda: self._check_alive() or any(recovered(r) and r.step >= first.step + 3
-                                                    for r in self.poll()),
-                 a.recover_timeout, "3 more steps after recovery")
+        self._until(lambda: any(recovered(r) and r.step >= first.step + 3 for r in self.poll()),
+                    a.recover_timeout, "3 more steps after recovery")
         if self.case.fault == "node-hang":
             self.procs.signal_tree(self.nodes[VICTIM], signal.SIGCONT)
 
@@ -296,7 +293,7 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
     for i in range(repeats):
         work = root / f"{case.name}-{i}"
         work.mkdir(parents=True)
-        procs = Procs()
+        procs = ProcessLedger()
         began = time.monotonic()
         try:
             trial = Job(case, args, procs, etcd, work).run_trial()
