@@ -476,6 +476,8 @@ class Agent:
         in_process = self._acks_in_process()
         self._stop_workers("a worker failed")
         snapshot = self.registry.snapshot()
+        if snapshot.closed is not None:
+            return self._closed(snapshot.closed)  # e.g. a worker's own code failed: no retry
         if snapshot.completing:
             reason = f"failed: a worker exited with {failed[0].exitcode} while the job was finishing"
             self.registry.close(reason)

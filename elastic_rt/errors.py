@@ -101,3 +101,15 @@ class UnknownRunError(UserError):
 
 class NoEventsError(UserError):
     """An event file is missing, empty or holds no events. Not retryable."""
+
+
+class UserCodeError(ElasticError):
+    """The user's step, dataset or model raised (not a peer's failure). Not retryable:
+    the same code would fail the same way on every retry, so the job ends.
+
+    The original exception is the ``__cause__``; the message is the one-line root cause.
+    """
+
+    def __init__(self, what: str, *, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+        super().__init__(f"rank {rank} failed at step {step}: {what}")

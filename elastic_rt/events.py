@@ -33,6 +33,7 @@ EVENT_NAMES = frozenset(
         "step.retried",
         "step.resumed",
         "step.completed",
+        "step.failed",
         "checkpoint.committed",
         "checkpoint.restored",
         "worker.started",

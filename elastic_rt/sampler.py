@@ -262,6 +262,23 @@ class ElasticSampler:
         """
         return self._local_batches(self._epoch, self._position, self._dp_rank, self._dp_size)
 
+    def iter_micro_batches(self) -> Iterator[list[int]]:
+        """Every non-empty micro-batch this rank will train on, from the current position on.
+
+        Unlike :meth:`__iter__` it runs on into the next epochs, so a ``DataLoader`` built on
+        it (see ``elastic_rt.worker.batches``) can prefetch across an epoch's end. It freezes
+        the position and world split it was made with: after a world change or a retried
+        step make a fresh one. Empty shares yield nothing; the loop knows from
+        :meth:`micro_batches` how many micro-batches each step takes.
+        """
+        epoch, position = self._epoch, self._position
+        dp_rank, dp_size, size = self._dp_rank, self._dp_size, self._micro_batch_size
+        while True:
+            for local in self._local_batches(epoch, position, dp_rank, dp_size):
+                chunk = size or max(len(local), 1)
+                yield from (local[i : i + chunk] for i in range(0, len(local), chunk))
+            epoch, position = epoch + 1, 0
+
     def __len__(self) -> int:
         """Local batches left in this epoch (one per remaining global batch)."""
         left = self._dataset_len - self._position

@@ -21,6 +21,8 @@ class Context:
     """The round's fencing token: commits carrying an older one are refused."""
     layout: Layout
     groups: Groups
+    step: int = 0
+    """The step being trained (counted from 1); after ``run`` returns, the last one."""
 
     @property
     def dp_rank(self) -> int:

@@ -1,22 +1,27 @@
-"""Steady-state step time: elastic-rt's in-process loop vs torchrun + plain DDP.
+"""Steady-state step time and peak memory: elastic-rt's in-process loop vs torchrun + DDP.
 
-One node, 2 gloo workers on CPU, the same model, data and global batch:
+One node, 2 gloo workers on CPU, ``scripts/bench/steady_train.py`` on both sides (the
+same model, data, global batch, AdamW and DataLoader worker processes):
 
-- elastic-rt: ``elastic-rt launch --nnodes 1 --nproc-per-node 2
-  scripts/examples/elastic_train.py`` (the library's ``run`` loop); step times
-  from rank 0's ``step.completed`` events.
-- torchrun: ``torchrun --standalone --nproc-per-node 2 scripts/bench/ddp_twin.py``
-  (DistributedSampler, DataLoader, DDP); step times recorded in memory by rank 0.
+- elastic-rt: ``elastic-rt launch --nnodes 1 --nproc-per-node 2 steady_train.py --loop
+  elastic`` (``elastic_rt.run``; gradients summed in buckets during backward).
+- torchrun: ``torchrun --standalone --nproc-per-node 2 steady_train.py --loop ddp``
+  (DistributedSampler, DataLoader, DistributedDataParallel).
 
-The first ``--warmup`` steps are skipped. A run's step time is the median, over
-windows of ``--window`` consecutive steps, of the window's mean step time (event
-timestamps have 1 ms resolution; a window mean resolves 1/window ms, and the
-median of windows shrugs off the spikes other processes on a shared machine
-cause). Runs of the two alternate, ``--repeats`` times each, and the reported
-figure is the median over runs.
+Cases: ``mlp10m`` (4 x Linear(2048, 2048), 16.8M parameters, global batch 32,
+``DataLoader(num_workers=2)``), ``mlp10m-io`` (the same with a dataset that waits 2 ms
+per sample, as one reading from storage does), ``small`` (2 x Linear(256, 256): the
+loop's fixed cost per step shows).
 
-Run:  python scripts/bench/overhead.py                  # ~3 min
-      python scripts/bench/overhead.py --quick          # 1 run each, fewer steps
+A run's step time is the median over windows of ``--window`` steps of the window's
+mean, after ``--warmup`` steps (the median of windows shrugs off the spikes other
+processes on a shared machine cause). Runs of the two loops alternate, ``--repeats``
+times each; the figure is the median over runs. Peak RSS is the larger of the two
+training processes' ``ru_maxrss`` (DataLoader worker processes are alike on both sides
+and not counted).
+
+Run:  python scripts/bench/overhead.py                  # ~10 min
+      python scripts/bench/overhead.py --cases mlp10m --repeats 1 --steps 80
 """
 
 from __future__ import annotations
@@ -33,13 +38,18 @@ import time
 import uuid
 from pathlib import Path
 
-from _common import JsonLines, fmt, interruptible, median, table
+from _common import fmt, interruptible, median, table
 
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env
 
-ELASTIC_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
-TWIN_SCRIPT = str(REPO / "scripts" / "bench" / "ddp_twin.py")
+SCRIPT = str(REPO / "scripts" / "bench" / "steady_train.py")
+CASES = {
+    "mlp10m": ["--width", "2048", "--layers", "4", "--global-batch", "32"],
+    "mlp10m-io": ["--width", "2048", "--layers", "4", "--global-batch", "32", "--fetch-ms", "2"],
+    "small": ["--width", "256", "--layers", "2", "--global-batch", "64"],
+}
+LOOPS = ("elastic-rt", "torchrun+DDP")
 
 
 def steady_step_time(times: list[float], warmup: int, window: int) -> float:
@@ -52,32 +62,24 @@ def steady_step_time(times: list[float], warmup: int, window: int) -> float:
     return statistics.median(means)
 
 
-def run_elastic(args: argparse.Namespace, etcd: EtcdServer, work: Path) -> list[float]:
-    events = work / "elastic-events.jsonl"
-    events.unlink(missing_ok=True)
-    command = [PYTHON, "-m", "elastic_rt.cli", "launch", "--nnodes", "1", "--nproc-per-node", "2",
-               "--rdzv-endpoint", f"etcd://{etcd.endpoint}",
-               "--run-id", f"overhead-{uuid.uuid4().hex[:6]}",
-               "--events-file", str(events), ELASTIC_SCRIPT, *_model_args(args)]
-    _run(command, work / "elastic.log", args.timeout)
-    rows = JsonLines(events).poll()
-    done = sorted((r["step"], r["timestamp_ms"] / 1000) for r in rows
-                  if r.get("name") == "step.completed" and r.get("rank") == 0)
-    return [t for _, t in done]
-
-
-def run_torchrun(args: argparse.Namespace, work: Path) -> list[float]:
-    out = work / "twin-times.json"
-    out.unlink(missing_ok=True)
-    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-               "--nproc-per-node", "2", TWIN_SCRIPT, *_model_args(args), "--times", str(out)]
-    _run(command, work / "torchrun.log", args.timeout)
-    return json.loads(out.read_text())
-
-
-def _model_args(args: argparse.Namespace) -> list[str]:
-    return ["--steps", str(args.steps), "--width", str(args.width),
-            "--global-batch", str(args.global_batch)]
+def run_once(loop: str, case: str, args: argparse.Namespace, etcd: EtcdServer,
+             work: Path) -> tuple[list[float], float]:
+    """(step start times of rank 0, peak RSS in MiB over the ranks) of one run."""
+    times, rss = work / "times.json", work / "rss"
+    for old in [times, *work.glob("rss.*")]:
+        old.unlink(missing_ok=True)
+    script = [SCRIPT, *CASES[case], "--steps", str(args.steps), "--num-workers",
+              str(args.num_workers), "--times", str(times), "--rss", str(rss)]
+    if loop == "elastic-rt":
+        command = [PYTHON, "-m", "elastic_rt.cli", "launch", "--nnodes", "1",
+                   "--nproc-per-node", "2", "--rdzv-endpoint", f"etcd://{etcd.endpoint}",
+                   "--run-id", f"overhead-{uuid.uuid4().hex[:6]}", *script, "--loop", "elastic"]
+    else:
+        command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                   "--nproc-per-node", "2", *script, "--loop", "ddp"]
+    _run(command, work / f"{loop}.log", args.timeout)
+    peaks = [json.loads(p.read_text())["peak_mib"] for p in work.glob("rss.*")]
+    return json.loads(times.read_text()), max(peaks)
 
 
 def _run(command: list[str], log: Path, timeout: float) -> None:
@@ -97,57 +99,69 @@ def _run(command: list[str], log: Path, timeout: float) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["mlp10m", "mlp10m-io"])
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--window", type=int, default=10)
-    p.add_argument("--width", type=int, default=1024, help="model input width (Linear(width, 64))")
-    p.add_argument("--global-batch", type=int, default=512)
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="1 run each, 200 steps")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--keep", action="store_true", help="keep logs")
     return p.parse_args()
 
 
 def main() -> int:
     args = parse_args()
-    if args.quick:
-        args.repeats, args.steps = 1, min(args.steps, 200)
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    print(f"overhead benchmark: 1 node x 2 gloo workers (OMP_NUM_THREADS=1), "
-          f"Linear({args.width}, 64)-Tanh-Linear(64, 1), global batch {args.global_batch}, "
-          f"{args.steps} steps, first {args.warmup} skipped, {args.repeats} alternating runs "
-          f"each; load average {os.getloadavg()[0]:.1f}; logs in {work}", flush=True)
-    results: dict[str, list[float]] = {"elastic-rt": [], "torchrun+DDP": []}
+    print(f"overhead benchmark: 1 node x 2 gloo workers (OMP_NUM_THREADS=1), cases "
+          f"{', '.join(args.cases)}, {args.steps} steps (first {args.warmup} skipped), "
+          f"DataLoader num_workers={args.num_workers}, {args.repeats} alternating runs each; "
+          f"load average {os.getloadavg()[0]:.1f}; logs in {work}", flush=True)
+    steps: dict[tuple[str, str], list[float]] = {}
+    peaks: dict[tuple[str, str], list[float]] = {}
     try:
         with interruptible(), EtcdServer() as etcd:
-            for i in range(args.repeats):
-                order = ["elastic-rt", "torchrun+DDP"]
-                if i % 2:
-                    order.reverse()
-                for name in order:
-                    began = time.monotonic()
-                    times = (run_elastic(args, etcd, work) if name == "elastic-rt"
-                             else run_torchrun(args, work))
-                    step = steady_step_time(times, args.warmup, args.window)
-                    results[name].append(step)
-                    print(f"  run {i + 1} {name}: {step * 1000:.2f} ms/step ({len(times)} steps, "
-                          f"run took {time.monotonic() - began:.0f} s)", flush=True)
+            for case in args.cases:
+                for i in range(args.repeats):
+                    for loop in (LOOPS if i % 2 == 0 else LOOPS[::-1]):
+                        began = time.monotonic()
+                        times, peak = run_once(loop, case, args, etcd, work)
+                        step = steady_step_time(times, args.warmup, args.window)
+                        steps.setdefault((case, loop), []).append(step)
+                        peaks.setdefault((case, loop), []).append(peak)
+                        print(f"  {case} run {i + 1} {loop}: {step * 1000:.1f} ms/step, peak RSS "
+                              f"{peak:.0f} MiB (run took {time.monotonic() - began:.0f} s)",
+                              flush=True)
     except KeyboardInterrupt:
         print("interrupted; everything started was killed", file=sys.stderr)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    if not all(results.values()):
+    return _report(args.cases, steps, peaks)
+
+
+def _report(cases: list[str], steps: dict[tuple[str, str], list[float]],
+            peaks: dict[tuple[str, str], list[float]]) -> int:
+    rows, verdicts = [], []
+    for case in cases:
+        ours, twin = (case, LOOPS[0]), (case, LOOPS[1])
+        if ours not in steps or twin not in steps:
+            continue
+        step_ratio = median(steps[ours]) / median(steps[twin])  # type: ignore[operator]
+        rss_ratio = max(peaks[ours]) / max(peaks[twin])
+        for key in (ours, twin):
+            ms = median(steps[key]) * 1000  # type: ignore[operator]
+            rows.append([case, key[1], fmt(ms, ".1f"),
+                         " ".join(f"{x * 1000:.1f}" for x in steps[key]), f"{max(peaks[key]):.0f}"])
+        verdicts.append(f"{case}: step time {step_ratio:.3f}x torchrun+DDP (target <= 1.02: "
+                        f"{'met' if step_ratio <= 1.02 else 'MISSED'}), peak RSS {rss_ratio:.3f}x "
+                        f"(target <= 1.05: {'met' if rss_ratio <= 1.05 else 'MISSED'})")
+    if not rows:
         return 1
-    base = median(results["torchrun+DDP"])
-    rows = [[name, fmt(median(v) * 1000), " ".join(f"{x * 1000:.2f}" for x in v),
-             f"{median(v) / base:.3f}"] for name, v in results.items()]
     print()
-    print(table(["loop", "step ms (median)", "runs (ms)", "ratio to torchrun+DDP"], rows))
-    ratio = median(results["elastic-rt"]) / base
-    verdict = "met" if ratio <= 1.02 else "MISSED"
-    print(f"\nelastic-rt / torchrun+DDP = {ratio:.3f} (target <= 1.02): {verdict}")
+    print(table(["case", "loop", "step ms (median)", "runs (ms)", "peak RSS MiB"], rows))
+    print()
+    print("\n".join(verdicts))
     return 0
 
 

@@ -42,11 +42,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint", default=None, help="URL for checkpoints (optional)")
     p.add_argument("--every", type=int, default=20)
     p.add_argument("--out", default=None, help="rank 0 writes the final parameters here")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--micro-batch", type=int, default=None, help="samples per forward/backward")
+    p.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="autocast dtype")
+    p.add_argument("--clip", type=float, default=None, help="clip gradients to this norm")
+    p.add_argument("--schedule", action="store_true", help="a step-decay LR schedule")
+    p.add_argument("--fail-at-step", type=int, default=None,
+                   help="rank 0 raises a user error (a shape mismatch) at this step")
+    p.add_argument("--hook-count", default=None,
+                   help="rank 0 writes how often its optimizer's step hooks ran here")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    hook_calls: list[int] = []
 
     def build(layout: ert.Layout) -> ert.TrainState:
         """Model and optimizer; called once per worker (survivors keep theirs)."""
@@ -55,12 +65,19 @@ def main() -> None:
             torch.nn.Linear(args.width, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return ert.TrainState(model=model, optimizer=optimizer)
+        optimizer.register_step_post_hook(lambda *_: hook_calls.append(1))
+        # the runtime steps the scheduler once per optimizer step and restores its state
+        scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.8)
+                     if args.schedule else None)
+        return ert.TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
 
     def train_step(state: ert.TrainState, batch) -> torch.Tensor:
         x, y = batch
         if args.step_time:
             time.sleep(args.step_time)
+        ctx = ert.context()
+        if ctx.step == args.fail_at_step and ctx.rank == 0:
+            x = x[:, :-1]  # a user bug: the model's first layer gets the wrong width
         return torch.nn.functional.mse_loss(state.model(x), y)
 
     checkpoint = (ert.Checkpointer(args.checkpoint, every_steps=args.every)
@@ -72,11 +89,18 @@ def main() -> None:
         global_batch_size=args.global_batch,
         max_steps=args.steps,
         checkpoint=checkpoint,
+        micro_batch_size=args.micro_batch,
+        loader=ert.LoaderOptions(num_workers=args.num_workers),
+        autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp or ""),
+        clip_grad_norm=args.clip,
     )
     # rank 0 of the last round writes the result (after run, context() is the last round's)
     if args.out and ert.context().rank == 0:
         torch.save({k: v.detach().clone() for k, v in state.model.state_dict().items()}, args.out)
         print(json.dumps({"final_loss_params": args.out}))
+    if args.hook_count and ert.context().rank == 0:
+        with open(args.hook_count, "w") as f:
+            f.write(str(len(hook_calls)))
 
 
 if __name__ == "__main__":

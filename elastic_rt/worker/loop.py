@@ -17,9 +17,22 @@ retried in the next round, from the state of the most advanced survivor, with th
 same global batch. Only errors the runtime cannot recover from are raised: the
 same step failing ``max_failed_steps`` times, or no new round in time.
 
-Gradients are reduced by the runtime (one flat all-reduce per step over the
-data-parallel group, after local accumulation), which keeps the global batch
-size fixed and the gradient exactly the global-batch mean whatever the split.
+Gradients are averaged by the runtime over the data-parallel group in buckets that
+start reducing while backward still runs (``worker/grad_sync.py``); each rank's loss
+is weighted by its share, which keeps the global batch size fixed and the gradient
+exactly the global-batch mean whatever the split. Batches come from a torch
+``DataLoader`` over the ``ElasticSampler`` (``worker/batches.py``), re-split at every
+re-form. Around the user's step the runtime applies autocast (with a GradScaler for
+float16), clipping after the average, the optimizer and the LR scheduler
+(``worker/replicated.py``).
+
+An exception from the user's own code (dataset, step, model) is not a lost peer: the
+job ends at once, on every node, with that traceback and a one-line root cause
+(``worker/failures.py``); only failed collectives are retried.
+
+**Events.** ``step.completed`` carries ``loss``, the mean loss over this rank's samples
+of the step (for an object owning its step, what its ``step`` returned), and, when an
+``on_step`` callback is given, ``global_loss``, the mean over the whole global batch.
 
 **Objects that own their step** (``step=None``): for model parallelism, where a
 rank holds a pipeline stage or a tensor shard, ``build(layout)`` returns an
@@ -38,84 +51,66 @@ after it are done again (work lost <= the checkpoint interval).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.utils.data import default_collate
 
 from elastic_rt.checkpoint import Checkpointer
 from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV, WorkerEnv
-from elastic_rt.worker_context import Context, set_context
 from elastic_rt.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     ConfigError,
     ElasticError,
     FencedOutError,
+    RendezvousClosedError,
+    StoreError,
+    UserCodeError,
 )
 from elastic_rt.events import EventSink
-from elastic_rt.layout import Layout, ModelLimits, plan_layout
+from elastic_rt.layout import ModelLimits, plan_layout
 from elastic_rt.membership import RoundFollower
 from elastic_rt.pg_store import NewerRound, join_round_store, wait_for_ranks
 from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.shard_sync import Holder, broadcast_shards, gather_holders, pick_shard_sources
-from elastic_rt.state_sync import broadcast_state, pick_source
-from elastic_rt.train_state import TrainState
+from elastic_rt.worker.batches import BatchSource, LoaderOptions, check_dataset
+from elastic_rt.worker.failures import user_code
+from elastic_rt.worker.grad_sync import GradSync
+from elastic_rt.worker.replicated import StepFn, StepOptions
+from elastic_rt.worker.trainers import (
+    BuildFn,
+    OwnedStepTrainer,
+    Progress,
+    ReplicatedTrainer,
+    Restoring,
+    Trainer,
+)
+from elastic_rt.worker_context import Context, set_context
 
 logger = logging.getLogger(__name__)
 
 
-class SteppedModel(Protocol):
-    """What ``build`` returns when it owns its step (``run(step=None)``): one rank's piece.
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What an ``on_step`` callback receives after every committed step."""
 
-    ``step`` trains one step on this rank's data-parallel share of the global batch and
-    returns the global batch's loss; it must scale its loss by the global batch size
-    (fixed for the run), not by the share's. Replicas must be built identical (seeded).
-
-    An object may set ``is_step_atomic = True`` when ``step`` applies its update only after
-    its last collective, so that a step that raises (a peer died) has changed no parameter
-    or optimizer state. Its state then still counts after a failed step, and surviving
-    replicas can restore a lost one with no steps lost; without it, a failed step means the
-    checkpoint.
-    """
-
-    def step(self, batch: Any) -> float: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-BuildFn = Callable[[Layout], Any]
-"""Returns a :class:`TrainState`, or a :class:`SteppedModel` when ``step`` is None."""
-StepFn = Callable[[TrainState, Any], torch.Tensor]
-
-
-@dataclass
-class _Progress:
-    step: int = -1
-    """Committed steps; -1 until this rank holds state."""
-    is_dirty: bool = False
-    """The state may not match ``step``: a step or a restore started and did not finish
-    (an owned step may have applied its update before a later collective failed)."""
-    failed_attempts: int = 0
-    failed_at: float | None = None
-    reform_started: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
+    step: int
+    loss: float
+    """The mean loss over the whole global batch (all data-parallel ranks)."""
+    local_loss: float
+    """The mean loss over this rank's samples."""
+    world_size: int
+    round: int
 
 
 def run(
@@ -132,6 +127,11 @@ def run(
     max_failed_steps: int = 3,
     reform_timeout: timedelta = timedelta(seconds=120),
     collate: Callable[[list[Any]], Any] = default_collate,
+    loader: LoaderOptions | None = None,
+    grad_sync: GradSync = GradSync(),
+    autocast_dtype: torch.dtype | None = None,
+    clip_grad_norm: float | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
 ) -> Any:
     """Train ``max_steps`` steps elastically; returns this rank's final state.
 
@@ -150,10 +150,18 @@ def run(
         limits: what the model allows; the layout is planned from it every round.
         max_failed_steps: the same step failing this often is raised, not retried.
         reform_timeout: the most to wait for a round that includes this node.
+        collate: turns a micro-batch's samples into a batch (``loader`` overrides it).
+        loader: ``DataLoader`` settings (worker processes, prefetch, pinned memory).
+        grad_sync: gradient bucket sizes and the reduction hook.
+        autocast_dtype: run ``step`` under autocast (float16 adds a GradScaler).
+        clip_grad_norm: clip the averaged gradients to this global norm.
+        on_step: called after every committed step with a :class:`StepReport`
+            (costs one small all-reduce per step for the global loss).
 
     Raises:
         ElasticError: recovery is impossible (budget spent, no round in time).
         ConfigError: bad arguments (one clear line).
+        UserCodeError: the user's code raised; the job was ended on every node.
     """
     if max_steps < 0 or global_batch_size < 1:
         raise ConfigError(
@@ -165,26 +173,37 @@ def run(
             "micro_batch_size is set but build() owns its step (step=None)",
             "Split micro-batches inside the object's step(), or pass a step function.",
         )
+    if step is None and (autocast_dtype is not None or clip_grad_norm is not None):
+        raise ConfigError(
+            "autocast_dtype or clip_grad_norm is set but build() owns its step (step=None)",
+            "Apply autocast and clipping inside the object's step(), or pass a step function.",
+        )
+    check_dataset(dataset)
+    sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
+                             micro_batch_size=micro_batch_size)
+    options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
+                          clip_grad_norm=clip_grad_norm)
+    trainer: Trainer = (OwnedStepTrainer(build) if step is None
+                        else ReplicatedTrainer(build, step, options))
     loop = _ElasticLoop(
-        build=build, step=step, dataset=dataset, checkpoint=checkpoint, limits=limits,
-        sampler=ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
-                               micro_batch_size=micro_batch_size),
-        max_failed_steps=max_failed_steps, reform_timeout=reform_timeout, collate=collate,
-        seed=seed,
+        trainer=trainer, checkpoint=checkpoint, limits=limits, sampler=sampler,
+        batches=BatchSource(dataset, sampler, loader or LoaderOptions(collate_fn=collate)),
+        max_failed_steps=max_failed_steps, reform_timeout=reform_timeout, seed=seed,
+        on_step=on_step,
     )  # fmt: skip
     return loop.run(max_steps)
 
 
 class _ElasticLoop:
-    def __init__(self, *, build: BuildFn, step: StepFn | None, dataset: Sequence[Any],
-                 checkpoint: Checkpointer | None, limits: ModelLimits, sampler: ElasticSampler,
-                 max_failed_steps: int, reform_timeout: timedelta,
-                 collate: Callable[[list[Any]], Any], seed: int) -> None:
-        self.build, self.step_fn, self.dataset = build, step, dataset
-        self.owns_step = step is None
+    def __init__(self, *, trainer: Trainer, checkpoint: Checkpointer | None,
+                 limits: ModelLimits, sampler: ElasticSampler, batches: BatchSource,
+                 max_failed_steps: int, reform_timeout: timedelta, seed: int,
+                 on_step: Callable[[StepReport], None] | None) -> None:
+        self.trainer = trainer
         self.checkpoint, self.limits, self.sampler = checkpoint, limits, sampler
+        self.batches, self.on_step = batches, on_step
         self.max_failed_steps, self.reform_timeout = max_failed_steps, reform_timeout
-        self.collate, self.seed = collate, seed
+        self.seed = seed
         self.env = WorkerEnv.from_env()
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
@@ -198,12 +217,10 @@ class _ElasticLoop:
             # while we are still starting does not make it restart us.
             self.follower.announce()
         self.collective_timeout = _collective_timeout(self.env)
-        self.state: Any = None  # a TrainState, or a SteppedModel when the object owns its step
-        self.built_for: tuple[Layout, int] | None = None  # (layout, rank) of an owned state
         self.groups: Groups | None = None
         self.ctx: Context | None = None
         self.store: dist.Store | None = None
-        self.progress = _Progress()
+        self.progress = Progress()
         if checkpoint is not None and self.follower is not None:
             checkpoint.bind(
                 pointer=FencedPointer(self.follower.registry, checkpoint.url, self._token),
@@ -228,29 +245,40 @@ class _ElasticLoop:
                     break
                 except NewerRound:
                     logger.info("newer round pending; re-forming at step %d", self.progress.step)
+                except UserCodeError as exc:
+                    if self.follower is None:
+                        raise
+                    self.end_job(exc)
+                    raise SystemExit(1) from None  # the job is over; its traceback is out
                 except (RuntimeError, dist.DistError) as exc:
                     self.on_failure(round_, exc)
                     self._release_groups()
                 if self.follower is None:
-                    raise ElasticError("a collective failed outside elastic-rt launch; cannot recover")
-                round_ = self.wait_for_round(round_)
+                    raise ElasticError(
+                        "a collective failed outside elastic-rt launch; cannot recover")
+                try:
+                    round_ = self.wait_for_round(round_)
+                except RendezvousClosedError as exc:
+                    logger.error("%s", exc)  # its root cause is the agents' and the failed rank's
+                    raise SystemExit(1) from None
             self._finish_checkpoint()
         finally:
             self.shutdown()
-        assert self.state is not None
-        return self.state
+        return self.trainer.result()
 
     def train(self, max_steps: int) -> None:
         while self.progress.step < max_steps:
             if self.follower and self.ctx and self.follower.has_newer_round(self.ctx.round):
                 raise NewerRound()
-            self.progress.is_dirty = not self._is_step_atomic()
-            loss = self.train_step()
+            self.progress.is_dirty = not self.trainer.is_step_atomic()
+            self._set_step(self.progress.step + 1)
+            local_loss, contribution = self.train_step()
+            global_loss = self._global_loss(contribution) if self.on_step else None
             self.sampler.advance()
             self.progress.step += 1
             self.progress.is_dirty = False
             self.progress.failed_attempts = 0
-            self._after_step(loss)
+            self._after_step(local_loss, global_loss)
 
     # recovery phases --------------------------------------------------------------
     def reform_groups(self, round_: Round | None) -> None:
@@ -292,125 +320,22 @@ class _ElasticLoop:
 
     def restore(self) -> None:
         began = time.monotonic()
-        assert self.groups is not None and self.ctx is not None
-        if self.owns_step:
-            source = self._restore_owned()
-            self._phase("state.restored", began, source=source)
-            return
-        if self.state is None:
-            self.state = self.build(self.ctx.layout)
-        src, best = pick_source(self.progress.step, self.groups.world)
-        if best < 0:
-            self._first_restore()
-            self._phase("state.restored", began, source="checkpoint-or-init")
-            return
-        payload = {
-            "train": self.state.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "step": self.progress.step,
-        }
-        payload = broadcast_state(payload, src, self.groups.world)
-        self.state.load_state_dict(payload["train"])
-        self.sampler.load_state_dict(payload["sampler"])
-        self.progress.step = int(payload["step"])
-        self._phase("state.restored", began, source=f"rank {src}")
-
-    def _first_restore(self) -> None:
-        """No rank holds state: the newest committed checkpoint, else rank 0's init."""
-        assert self.state is not None and self.groups is not None
-        if self.checkpoint is not None:
-            fresh_optimizer = not self.state.optimizer.state
-            state = self._checkpoint_state()
-            try:
-                info = self.checkpoint.load(state, process_group=self.groups.world)
-            except CheckpointNotFoundError:
-                info = None
-            if info is not None:
-                self._load_checkpoint_state(state)
-                self.sampler.load_state_dict(info.extra["sampler"])
-                self.state.extras = dict(info.extra.get("extras", {}))
-                self.progress.step = int(info.extra["step"])
-                return
-            if fresh_optimizer:
-                # get_state_dict() filled the empty optimizer state with a zero-grad step
-                # (Adam's step count 1, so its bias correction would lag one step behind
-                # a run without checkpoints); nothing was loaded, so start fresh again.
-                self.state.optimizer.state.clear()
-        synced = broadcast_state(self.state.model.state_dict(), 0, self.groups.world)
-        self.state.model.load_state_dict(synced)
-        self.progress.step = 0
-
-    def _restore_owned(self) -> str:
-        """Rebuild the object for this round's layout; fill it from replicas, else a checkpoint.
-
-        Returns where the state came from, for the ``state.restored`` event.
-        """
-        assert self.groups is not None and self.ctx is not None
-        old, built_for = self.state, self.built_for
-        mine = Holder.of(step=self.progress.step, is_clean=not self.progress.is_dirty,
-                         layout=built_for[0] if built_for else None,
-                         rank=built_for[1] if built_for else None)
-        holders = gather_holders(mine, self.groups.world)
-        # The old object's groups are gone, so everybody builds anew (it may hold its
-        # state until the broadcast below has read it).
-        self.progress.is_dirty = True  # until the new object holds the state of `step`
-        self.state, self.built_for = self.build(self.ctx.layout), (self.ctx.layout, self.ctx.rank)
-        found = pick_shard_sources(holders, self.ctx.layout)
-        if found is not None:
-            step, sources = found
-            coords = self.ctx.layout.coords(self.ctx.rank)
-            payload = broadcast_shards(
-                lambda: {"trainer": old.state_dict(), "sampler": self.sampler.state_dict()},
-                sources, (coords.pp, coords.tp), self.groups.world,
-            )  # fmt: skip
-            self.state.load_state_dict(payload["trainer"])
-            self.sampler.load_state_dict(payload["sampler"])
-            self.progress.step, self.progress.is_dirty = step, False
-            return "replicas"
-        old = None  # free its tensors before the checkpoint is read
-        last = max(h.last_step for h in holders)
-        source = self._load_owned_checkpoint(had_state=last >= 0)
-        self.progress.is_dirty = False
-        if last >= 0:
-            logger.warning("no surviving replica of every shard at one step; rolled back from "
-                           "step %d to %d", last, self.progress.step)
-        return source
-
-    def _load_owned_checkpoint(self, *, had_state: bool) -> str:
-        """The newest committed checkpoint, resharded; the initial state on a fresh start.
-
-        Raises:
-            ElasticError: state was lost with no checkpoint to roll back to.
-        """
-        assert self.groups is not None
-        info = None
-        if self.checkpoint is not None:
-            try:
-                info = self.checkpoint.load(self._checkpoint_state(),
-                                            process_group=self.groups.world)
-            except CheckpointNotFoundError:
-                info = None
-        if info is not None:
-            self.sampler.load_state_dict(info.extra["sampler"])
-            self.progress.step = int(info.extra["step"])
-            return f"checkpoint {info.name}"
-        if had_state:
-            raise ElasticError(
-                f"a model shard was lost at step {self.progress.step} with no surviving replica "
-                "and no committed checkpoint; pass checkpoint=Checkpointer(url, every_steps=N)"
-            )
-        self.progress.step = 0
-        return "init"
+        assert self.ctx is not None
+        source = self.trainer.restore(Restoring(ctx=self.ctx, checkpoint=self.checkpoint,
+                                                sampler=self.sampler, progress=self.progress))
+        self._phase("state.restored", began, source=source)
 
     def resplit(self) -> None:
         assert self.ctx is not None
         self.sampler.set_world(self.ctx.dp_rank, self.ctx.dp_size)
+        self.batches.reset()  # batches prefetched for the old split are dropped
 
     def on_failure(self, round_: Round | None, exc: BaseException) -> None:
         self.progress.failed_attempts += 1
         self.progress.failed_at = time.monotonic()
         logger.warning("step %d failed in round %s: %s", self.progress.step + 1,
-                       round_.number if round_ else "-", str(exc).splitlines()[0] if str(exc) else exc)
+                       round_.number if round_ else "-",
+                       str(exc).splitlines()[0] if str(exc) else exc)
         self.events.emit("step.retried", round=round_.number if round_ else None,
                          step=self.progress.step + 1, error=type(exc).__name__,
                          attempt=self.progress.failed_attempts)
@@ -421,38 +346,57 @@ class _ElasticLoop:
         if self.follower and round_:
             self.follower.report_failure(round_)
 
+    def end_job(self, exc: UserCodeError) -> None:
+        """The user's code raised: stop the job on every node instead of retrying it.
+
+        The traceback and the one-line root cause go out first: closing the run makes
+        every agent stop its workers (this one too) and exit non-zero with that root
+        cause; peers blocked in a collective with us fail, find the run closed and stop.
+        """
+        assert self.follower is not None
+        logger.error("user code failed:", exc_info=exc.__cause__)
+        logger.error("%s (an error in the user's code: the job ends, it is not retried)", exc)
+        self.events.emit("step.failed", round=self.ctx.round if self.ctx else None,
+                         step=exc.step, error=str(exc))
+        try:
+            self.follower.registry.close(f"failed: {exc}")
+        except StoreError as store_exc:
+            logger.warning("could not close the run: %s", store_exc)
+
     def wait_for_round(self, round_: Round | None) -> Round:
         assert self.follower is not None and round_ is not None
         began = time.monotonic()
-        self.progress.reform_started = self.progress.failed_at or began
         new_round = self.follower.wait_for_round(round_.number, self.reform_timeout)
         self._phase("round.formed", began, round=new_round.number, world_size=new_round.world_size)
         return new_round
 
     # one training step ------------------------------------------------------------
-    def train_step(self) -> float:
-        assert self.state is not None and self.groups is not None
+    def train_step(self) -> tuple[float, float]:
+        """(this rank's mean loss, its part of the global-batch mean) of one step."""
+        assert self.ctx is not None
+        step = self.progress.step + 1
         # Seeded per step, not per process: a retried or re-split step draws the same numbers.
-        torch.manual_seed(self.seed * 1_000_003 + self.progress.step + 1)
-        if self.owns_step:
-            return float(self.state.step(self.collate([self.dataset[i]
-                                                       for i in self.sampler.local_batch()])))
-        model, optimizer = self.state.model, self.state.optimizer
-        optimizer.zero_grad(set_to_none=False)
-        total = 0.0
-        for micro in self.sampler.micro_batches():
-            if not micro:
-                continue
-            loss = self.step_fn(self.state, self.collate([self.dataset[i] for i in micro]))
-            # loss_scale() weighs this micro-batch for a mean over dp ranks; we sum instead.
-            scaled = loss * (self.sampler.loss_scale(micro) / self.sampler.dp_size)
-            scaled.backward()
-            total += float(scaled.detach())
-        _all_reduce_gradients(model, self.groups.dp)
-        optimizer.step()
-        return total
+        torch.manual_seed(self.seed * 1_000_003 + step)
+        with user_code(rank=self.ctx.rank, step=step):
+            micro_batches = self.batches.next_step()
+        return self.trainer.train(micro_batches, global_len=len(self.sampler.global_batch()),
+                                  ctx=self.ctx, step=step)
 
-    def _after_step(self, loss: float) -> None:
+    def _global_loss(self, contribution: float) -> float:
+        """The global-batch mean loss: the sum of every data-parallel rank's part."""
+        assert self.groups is not None
+        total = torch.tensor([contribution], dtype=torch.float64)
+        if dist.get_world_size(self.groups.dp) > 1:
+            dist.all_reduce(total, group=self.groups.dp)
+        return float(total)
+
+    def _set_step(self, step: int) -> None:
+        """Publish the step being trained through :func:`elastic_rt.context`."""
+        assert self.ctx is not None
+        self.ctx = dataclasses.replace(self.ctx, step=step)
+        set_context(self.ctx)
+
+    def _after_step(self, loss: float, global_loss: float | None) -> None:
         assert self.ctx is not None
         step = self.progress.step
         if self.progress.failed_at is not None:
@@ -460,15 +404,20 @@ class _ElasticLoop:
             self.events.emit("step.resumed", round=self.ctx.round, step=step,
                              downtime_ms=int(downtime * 1000), world_size=self.ctx.world_size)
             self.progress.failed_at = None
-        self.events.emit("step.completed", round=self.ctx.round, step=step, loss=loss,
-                         world_size=self.ctx.world_size)
+        extra = {} if global_loss is None else {"global_loss": global_loss}
+        self.events.emit("step.completed", round=self.ctx.round, step=step,
+                         loss=None if math.isnan(loss) else loss,
+                         world_size=self.ctx.world_size, **extra)
+        if self.on_step is not None and global_loss is not None:
+            self.on_step(StepReport(step=step, loss=global_loss, local_loss=loss,
+                                    world_size=self.ctx.world_size, round=self.ctx.round))
         if self.checkpoint is not None and self.checkpoint.should_save(step):
             assert self.groups is not None
             try:
                 self.checkpoint.save(
-                    step, self._checkpoint_state(), layout=self.ctx.layout.to_dict(),
+                    step, self.trainer.checkpoint_state(), layout=self.ctx.layout.to_dict(),
                     extra={"step": step, "sampler": self.sampler.state_dict(),
-                           "extras": getattr(self.state, "extras", {})},
+                           **self.trainer.checkpoint_extra()},
                     process_group=self.groups.world,
                 )  # fmt: skip
             except (FencedOutError, CheckpointError) as exc:
@@ -484,30 +433,6 @@ class _ElasticLoop:
             # RuntimeError: a peer died under the write; the previous commit stays the latest.
             logger.warning("last checkpoint not committed: %s", exc)
 
-    def _checkpoint_state(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by parameter name, so it reshards.
-
-        An optimizer's own state_dict keys its state by parameter index, which
-        collides between pipeline stages; the flattened form names each entry.
-        An object owning its step is stored through its own ``state_dict()``.
-        """
-        assert self.state is not None
-        if self.owns_step:
-            return {"trainer": self.state}
-        model_state, optim_state = get_state_dict(
-            self.state.model, self.state.optimizer,
-            options=StateDictOptions(flatten_optimizer_state_dict=True),
-        )  # fmt: skip
-        return {"model": model_state, "optimizer": optim_state}
-
-    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        assert self.state is not None
-        set_state_dict(
-            self.state.model, self.state.optimizer,
-            model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-            options=StateDictOptions(flatten_optimizer_state_dict=True),
-        )  # fmt: skip
-
     # helpers ------------------------------------------------------------------------
     def _release_groups(self) -> None:
         """Destroy this round's groups and drop every reference to them, at once.
@@ -518,15 +443,9 @@ class _ElasticLoop:
         """
         self.ctx = None
         set_context(None)
+        self.trainer.release()  # e.g. gradient buckets hold the group
         destroy_groups(self.groups)
         self.groups = None
-
-    def _is_step_atomic(self) -> bool:
-        """Whether a step that raises leaves the state as the last committed step left it.
-
-        The runtime's own step updates last; an object owning its step says so itself.
-        """
-        return not self.owns_step or bool(getattr(self.state, "is_step_atomic", False))
 
     def _place(self, round_: Round | None) -> tuple[int, int, int, int]:
         """(rank, world size, token, round number) of this worker in ``round_``."""
@@ -546,34 +465,13 @@ class _ElasticLoop:
 
     def shutdown(self) -> None:
         # context() keeps describing the last round, so the script can tell its final rank.
+        self.batches.close()
+        self.trainer.release()
         destroy_groups(self.groups)
         self.groups = None
         self.store = None
         if self.follower:
             self.follower.close()
-
-
-def _all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Sum gradients over the data-parallel group in one flat buffer.
-
-    Each rank's loss was scaled by its share of the global batch, so the sum is the
-    gradient of the global-batch mean, for uneven shares too.
-    """
-    if dist.get_world_size(group) == 1:
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:  # a rank with an empty share still joins the reduction
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def _collective_timeout(env: WorkerEnv) -> timedelta:

@@ -1,0 +1,1 @@
+"""The worker side of in-process training: batches, gradient averaging, the step, failures."""

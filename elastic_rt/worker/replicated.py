@@ -1,0 +1,200 @@
+"""One data-parallel training step of a replicated model, done by the runtime.
+
+The user's ``step(state, batch)`` returns the mean loss of the batch it is given; this
+module does the rest the way a careful torchrun + DDP script does: backward per
+micro-batch with the gradients summed over the data-parallel group during the last
+backward (see ``grad_sync``), optional autocast with a ``GradScaler`` for float16,
+clipping by global norm after the average (and after unscaling), the optimizer step and
+the scheduler step. Every rank's loss is weighted by its share of the global batch, so
+the update equals the one-rank update on the whole global batch for any split.
+
+The scaler's state belongs to the runtime, not to ``TrainState``: it travels with the
+rest of the state when a survivor restores a newcomer, and into checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from elastic_rt.errors import ConfigError
+from elastic_rt.train_state import TrainState
+from elastic_rt.worker.failures import user_code
+from elastic_rt.worker.grad_sync import GradientBuckets, GradSync
+
+StepFn = Callable[[TrainState, Any], torch.Tensor]
+
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOptions:
+    """What the runtime does around the user's step."""
+
+    grad_sync: GradSync = GradSync()
+    autocast_dtype: torch.dtype | None = None
+    """Run ``step`` under ``torch.autocast`` with this dtype; float16 adds a GradScaler."""
+    clip_grad_norm: float | None = None
+    """Clip the averaged gradients to this global L2 norm before the optimizer step."""
+
+    def __post_init__(self) -> None:
+        if self.autocast_dtype is not None and self.autocast_dtype not in _AUTOCAST_DTYPES:
+            raise ConfigError(f"autocast_dtype={self.autocast_dtype} is not supported",
+                              "Pass torch.bfloat16, torch.float16 or None.")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm} is not positive",
+                              "Pass a norm > 0, or None to not clip.")
+
+
+@dataclass(frozen=True, slots=True)
+class StepLoss:
+    local_mean: float
+    """Mean loss over this rank's samples (nan for a rank without samples)."""
+    contribution: float
+    """This rank's part of the global-batch mean: the sum over ranks is that mean."""
+
+
+class ReplicatedStep:
+    """Trains one ``TrainState`` step by step; :meth:`bind` it to each round's group.
+
+    Args:
+        state: what ``build`` returned.
+        step_fn: the user's step.
+        options: precision, clipping and gradient averaging.
+    """
+
+    def __init__(self, state: TrainState, step_fn: StepFn, options: StepOptions) -> None:
+        self.state, self.step_fn, self.options = state, step_fn, options
+        device = next(state.model.parameters()).device
+        self.device_type = device.type
+        is_fp16 = options.autocast_dtype == torch.float16
+        self.scaler = torch.amp.GradScaler(self.device_type) if is_fp16 else None
+        self.buckets: GradientBuckets | None = None
+
+    def bind(self, dp_group: dist.ProcessGroup) -> None:
+        """Average over this round's data-parallel group from now on."""
+        self.unbind()
+        self.buckets = GradientBuckets(self.state.model, dp_group, self.options.grad_sync)
+
+    def unbind(self) -> None:
+        if self.buckets is not None:
+            self.buckets.close()
+            self.buckets = None
+
+    def run(self, micro_batches: list[tuple[Any, int]], *, global_len: int,
+            rank: int, step: int) -> StepLoss:
+        """One optimizer step over this rank's micro-batches.
+
+        Raises:
+            UserCodeError: the user's step or its backward raised (not a peer's failure).
+            RuntimeError: a collective failed.
+        """
+        assert self.buckets is not None, "bind() first"
+        self.buckets.zero_grad()
+        local_sum, contribution = 0.0, 0.0
+        for i, (batch, size) in enumerate(micro_batches):
+            self.buckets.begin(is_last_backward=i == len(micro_batches) - 1)
+            with user_code(rank=rank, step=step):
+                with self._autocast():
+                    loss = self.step_fn(self.state, batch)
+                weight = size / global_len  # the sum over ranks is the global mean
+                scaled = loss * weight
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            value = float(loss.detach())
+            local_sum += value * size
+            contribution += value * weight
+        self.buckets.finish()
+        self._apply_update()
+        samples = sum(size for _, size in micro_batches)
+        return StepLoss(local_mean=local_sum / samples if samples else float("nan"),
+                        contribution=contribution)
+
+    def _apply_update(self) -> None:
+        optimizer, scaler = self.state.optimizer, self.scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if self.options.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.state.model.parameters(),
+                                           self.options.clip_grad_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        if self.state.scheduler is not None:
+            self.state.scheduler.step()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        dtype = self.options.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=dtype)
+
+    # state that is the runtime's, not the user's ---------------------------------------
+    def runtime_state(self) -> dict[str, Any]:
+        """JSON-able: the scaler's state (empty without one)."""
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_runtime_state(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Create an empty optimizer's state tensors without running anyone's hooks.
+
+    A checkpoint is loaded into existing tensors, so Adam's moments must exist first.
+    torch's helper does that with a real ``optimizer.step()`` at lr 0, which runs the
+    user's step hooks (and the global ones) an extra time; here the class's own step
+    runs with every hook set aside and the gradients put back afterwards.
+
+    Returns:
+        Whether state was created (the caller clears it again if nothing is loaded).
+    """
+    if optimizer.state:
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    saved_grads = [p.grad for p in params]
+    saved_lrs = [group.get("lr") for group in optimizer.param_groups]
+    raw_step = getattr(type(optimizer).step, "__wrapped__", None)
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        with _hooks_set_aside(optimizer):
+            if raw_step is not None:
+                raw_step(optimizer)
+            else:
+                optimizer.step()
+    finally:
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            if lr is not None:
+                group["lr"] = lr
+    return True
+
+
+@contextlib.contextmanager
+def _hooks_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    from torch.optim import optimizer as optim_module
+
+    saved = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+             dict(optim_module._global_optimizer_pre_hooks),
+             dict(optim_module._global_optimizer_post_hooks))
+    optimizer._optimizer_step_pre_hooks = type(saved[0])()
+    optimizer._optimizer_step_post_hooks = type(saved[1])()
+    optim_module._global_optimizer_pre_hooks.clear()
+    optim_module._global_optimizer_post_hooks.clear()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = saved[:2]
+        optim_module._global_optimizer_pre_hooks.update(saved[2])
+        optim_module._global_optimizer_post_hooks.update(saved[3])
