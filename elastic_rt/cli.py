@@ -356,7 +356,7 @@ def _add_timeline(commands: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from elastic_rt.timeline import draw_timeline
+    from elastic_rt.timeline_draw import draw_timeline
 
     path = draw_timeline(args.events, args.output)
     print(path)

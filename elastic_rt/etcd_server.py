@@ -199,7 +199,8 @@ class EtcdServer:
                 self._stderr.seek(0)
                 err = self._stderr.read().decode(errors="replace")
                 self.stop()
-                raise ElasticError(f"etcd exited with code {self._process.returncode}: {err[-500:]}")
+                code = self._process.returncode
+                raise ElasticError(f"etcd exited with code {code}: {err[-500:]}")
             try:
                 with urllib.request.urlopen(url, timeout=1, context=context) as response:
                     if b'"health":"true"' in response.read():

@@ -15,9 +15,10 @@ first event):
 
 Losses and joins are vertical lines across every panel; recoveries are shaded.
 
-The analysis half (:func:`load_events`, :func:`find_recoveries`) is pure and also
-feeds ``elastic-rt status``; drawing is in :mod:`.timeline_draw`, the only place
-matplotlib is imported, so neither the agent nor ``status`` pays for it.
+This module is the analysis half (:func:`load_events`, :func:`find_recoveries`): pure,
+and it also feeds ``elastic-rt status``. Drawing (:func:`.timeline_draw.draw_timeline`)
+imports this module, never the other way round; it is the only place matplotlib is
+imported, so neither the agent nor ``status`` pays for it.
 
 Note:
     A node killed outright writes nothing about its death. A recovery therefore
@@ -34,7 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from elastic_rt.errors import ConfigError, NoEventsError
+from elastic_rt.errors import NoEventsError
 from elastic_rt.events import Event, read_events
 
 FAULTS = frozenset({"worker.failed", "node.left", "agent.fenced", "step.retried"})
@@ -216,27 +217,6 @@ def duration_text(recovery: Recovery) -> str:
     return text if recovery.is_start_seen else f"{text} + detection"
 
 
-def draw_timeline(paths: Sequence[str], output: str) -> str:
-    """Draw the events in ``paths`` to ``output`` (.png, .svg or .pdf); returns its path.
-
-    Raises:
-        NoEventsError: a file is missing or holds no events.
-        ConfigError: the output's extension is not an image format.
-    """
-    events = load_events(paths)
-    extension = os.path.splitext(output)[1].lower().lstrip(".")
-    if extension not in ("png", "svg", "pdf"):
-        raise ConfigError(
-            f"output {output} is not .png, .svg or .pdf", "Pass for example -o run.png."
-        )
-    from elastic_rt.timeline_draw import draw
-
-    figure = draw(events, find_recoveries(events))
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    figure.savefig(output, dpi=130, bbox_inches="tight")
-    return output
-
-
 def node_order(events: Sequence[Event]) -> list[str]:
     """Every node named in ``events``, in natural order (``n2`` before ``n10``)."""
     nodes = {e.node for e in events if e.node}
@@ -261,7 +241,7 @@ def worker_bars(events: Sequence[Event], recoveries: Sequence[Recovery]) -> dict
     new bar for the new round.
     """
     formed = {e.round: e.timestamp_ms for e in rounds_formed(events)}
-    lost_at = {r.round: r.start_ms for r in recoveries}
+    lost_at: dict[int | None, int] = {r.round: r.start_ms for r in recoveries}
     bars: dict[str, list[Bar]] = defaultdict(list)
     open_bar: dict[str, tuple[int, int | None]] = {}
 

@@ -1,19 +1,25 @@
 """Drawing a run's timeline with matplotlib (the analysis is in :mod:`.timeline`).
 
-Only :func:`draw` imports matplotlib, and it builds a bare Figure (no pyplot), so no
-global backend state changes and importing this module costs nothing.
+This module depends on :mod:`.timeline` and not the reverse, so the analysis stays
+importable without any drawing code. Only :func:`draw` imports matplotlib, and it
+builds a bare Figure (no pyplot), so no global backend state changes and importing
+this module costs nothing.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from elastic_rt.errors import ConfigError
 from elastic_rt.events import Event
 from elastic_rt.timeline import (
     PHASE_COLOURS,
     Recovery,
     duration_text,
+    find_recoveries,
+    load_events,
     node_order,
     rounds_formed,
     step_series,
@@ -181,10 +187,10 @@ def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
     for e in events:
         if e.name not in MARKERS or (e.name == "worker.failed" and e.source != "agent"):
             continue
-        node = str(e.metadata.get("lost")) if e.name == "node.lost" else e.node
-        if node in lane:
+        who = str(e.metadata.get("lost")) if e.name == "node.lost" else e.node
+        if who in lane:
             marker, colour, _label = MARKERS[e.name]
-            ax.plot(frame.x(e.timestamp_ms), lane[node], marker=marker, color=colour, ms=9,
+            ax.plot(frame.x(e.timestamp_ms), lane[who], marker=marker, color=colour, ms=9,
                     mec="white", mew=0.8, zorder=5, ls="none")  # fmt: skip
     ax.set_yticks(range(len(nodes)), list(reversed(nodes)))
     ax.set_ylim(-0.6, len(nodes) - 0.4)
@@ -228,11 +234,32 @@ def _legend(
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=colour, label=n if n.startswith("node") else f"node {n}")
-               for n, colour in frame.colours.items()]  # fmt: skip
+    handles: list[Patch | Line2D] = [
+        Patch(color=colour, label=n if n.startswith("node") else f"node {n}")
+        for n, colour in frame.colours.items()
+    ]
     present = {e.name for e in events}
     handles += [Line2D([], [], marker=m, color=c, ls="none", ms=8, label=label)
                 for name, (m, c, label) in MARKERS.items() if name in present]  # fmt: skip
     phases = {p.label for r in recoveries for p in r.phases}
     handles += [Patch(color=c, label=p) for p, c in PHASE_COLOURS.items() if p in phases]
     figure.legend(handles=handles, loc="outside right center", fontsize=8.5, frameon=False)
+
+
+def draw_timeline(paths: Sequence[str], output: str) -> str:
+    """Draw the events in ``paths`` to ``output`` (.png, .svg or .pdf); returns its path.
+
+    Raises:
+        NoEventsError: a file is missing or holds no events.
+        ConfigError: the output's extension is not an image format.
+    """
+    events = load_events(paths)
+    extension = os.path.splitext(output)[1].lower().lstrip(".")
+    if extension not in ("png", "svg", "pdf"):
+        raise ConfigError(
+            f"output {output} is not .png, .svg or .pdf", "Pass for example -o run.png."
+        )
+    figure = draw(events, find_recoveries(events))
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    figure.savefig(output, dpi=130, bbox_inches="tight")
+    return output

@@ -57,7 +57,7 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,7 @@ from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.allocator import pin_mmap_threshold
-from elastic_rt.worker.batches import BatchSource, LoaderOptions, check_dataset
+from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
 from elastic_rt.worker.replicated import StepFn, StepOptions
@@ -117,7 +117,7 @@ def run(
     *,
     build: BuildFn,
     step: StepFn | None,
-    dataset: Sequence[Any],
+    dataset: MapDataset,
     global_batch_size: int,
     max_steps: int,
     checkpoint: Checkpointer | None = None,

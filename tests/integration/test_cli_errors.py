@@ -19,9 +19,10 @@ import psutil
 import pytest
 
 from elastic_rt.etcd_server import free_port
+from elastic_rt.harness import child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
-from tests.fixtures.processes import ProcessTree, wait_until
-from tests.integration.launch_helpers import TORCHRUN_SCRIPT, agent_env
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import TORCHRUN_SCRIPT
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +41,7 @@ def _cli(*args: str, tmp: Path, env: dict[str, str] | None = None
     # cwd is a scratch dir, so a relative path in a case cannot hit a repo file.
     return subprocess.run(
         [sys.executable, "-m", "elastic_rt.cli", *args],
-        capture_output=True, text=True, timeout=30, env={**agent_env(), **(env or {})}, cwd=tmp,
+        capture_output=True, text=True, timeout=30, env={**child_env(), **(env or {})}, cwd=tmp,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -145,7 +146,7 @@ def test_launch_etcd_port_in_use(busy_port: int, tmp_path: Path) -> None:
 def test_etcd_command_serves_and_cleans_up_on_sigterm(process_tree: ProcessTree,
                                                       tmp_path: Path) -> None:
     log = tmp_path / "etcd.log"
-    cli = process_tree.elastic_rt("etcd", env=agent_env(), log=str(log))
+    cli = process_tree.elastic_rt("etcd", env=child_env(), log=str(log))
 
     def endpoint() -> str | None:
         for line in log.read_text().splitlines() if log.exists() else []:

@@ -6,7 +6,7 @@ keeper and runs the agent's own decisions (agents/policy.py); only the workers a
 
 from __future__ import annotations
 
-import time
+import contextlib
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -14,6 +14,7 @@ import pytest
 
 from agents.simulated import SimulatedNode, start_nodes, stop_nodes
 from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.harness import WaitTimeout, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import Limits, Round, Wait
@@ -120,9 +121,7 @@ def test_two_run_ids_on_one_etcd_never_see_each_other(
 
 
 def _eventually_waits(node: SimulatedNode, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if isinstance(node.last_action, Wait):
-            return True
-        time.sleep(0.05)
+    with contextlib.suppress(WaitTimeout):
+        return wait_until(lambda: isinstance(node.last_action, Wait), timeout,
+                          "the node to wait", interval=0.05)
     return False

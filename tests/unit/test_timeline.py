@@ -8,7 +8,8 @@ import pytest
 
 from elastic_rt.errors import ConfigError, NoEventsError
 from elastic_rt.events import Event
-from elastic_rt.timeline import describe, draw_timeline, find_recoveries, load_events
+from elastic_rt.timeline import describe, find_recoveries, load_events
+from elastic_rt.timeline_draw import draw_timeline
 
 T0 = 1_700_000_000_000
 
