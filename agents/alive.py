@@ -14,6 +14,9 @@ import logging
 import socket
 import threading
 
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.rounds import Round
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,3 +71,28 @@ def probe(address: str, timeout: float = 0.5) -> Liveness:
         return Liveness.UNKNOWN
     except OSError:
         return Liveness.UNKNOWN
+
+
+def probe_members(registry: RunRegistry, round_: Round, me: str) -> tuple[list[str], list[str]]:
+    """Probe every other member of ``round_``; evict those whose agent is certainly gone.
+
+    Returns (dead members, members that did not answer in time).
+    """
+    registered = registry.nodes()
+    dead, unsure = [], []
+    for member in round_.members:
+        if member == me:
+            continue
+        info = registered.get(member)
+        if info is None:
+            dead.append(member)
+            continue
+        liveness = probe(info.alive_addr) if info.alive_addr else Liveness.UNKNOWN
+        if liveness is Liveness.DEAD:
+            registry.evict(info)
+            dead.append(member)
+        elif liveness is Liveness.UNKNOWN:
+            unsure.append(member)
+    if dead:
+        logger.warning("peers gone: %s", ",".join(dead))
+    return dead, unsure

@@ -8,6 +8,7 @@ is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
@@ -28,12 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastic-rt`` command."""
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("ELASTIC_RT_LOG_LEVEL", "INFO"),
-        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     try:
+        _configure_logging(os.environ.get(cfg.LOG_LEVEL_ENV, "INFO"))
         code = int(args.func(args) or 0)
     except UserError as exc:
         print(f"elastic-rt: error: {exc.one_line()}", file=sys.stderr)
@@ -49,6 +46,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _configure_logging(level: str) -> None:
+    """Log to stderr at ``level``; an unknown level name is a user error, not a traceback."""
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise ConfigError(f"{cfg.LOG_LEVEL_ENV}={level!r} is not a log level",
+                          "Use DEBUG, INFO, WARNING or ERROR.")
+    logging.basicConfig(
+        level=level.upper(),
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _seconds(text: str) -> timedelta:
+    """An argparse type: a flag's value in seconds, kept as a duration from here on."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
+    return timedelta(seconds=seconds)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -87,23 +107,29 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="a private rendezvous on this host (the default when no --rdzv-endpoint)")
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", default="default",
                    help="names the job; two run ids on one etcd never meet")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=cfg.DEFAULT_MAX_RESTARTS,
                    help="worker failures the whole job absorbs (membership changes are free)")
-    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
-                   help="seconds between worker checks")
+    p.add_argument("--monitor-interval", "--monitor_interval", type=_seconds,
+                   default=cfg.DEFAULT_MONITOR_INTERVAL, help="seconds between worker checks")
     p.add_argument("--start-method", "--start_method", choices=("spawn", "fork", "forkserver"),
                    default="spawn", help="accepted for torchrun scripts; workers are always new "
                                          "processes (torchrun ignores it for scripts too)")
-    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=float, default=3.0,
-                   help="seconds from SIGTERM to SIGKILL when stopping workers")
+    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=_seconds,
+                   default=timedelta(seconds=3),
+                   help="seconds from SIGTERM to SIGKILL when stopping workers (default 3)")
     _add_output(p)
     _add_static(p)
-    p.add_argument("--lease-ttl", type=int, default=int(os.environ.get(cfg.LEASE_TTL_ENV, 5)),
-                   help=f"seconds a silent node stays a member (env {cfg.LEASE_TTL_ENV})")
-    p.add_argument("--last-call", type=float, default=None,
-                   help="seconds to wait for more nodes once MIN have joined (default 1)")
-    p.add_argument("--join-timeout", type=float, default=None,
-                   help="seconds to wait for MIN nodes before giving up (default 600)")
+    # None: the environment decides, read in _launch, inside main's error guard.
+    p.add_argument("--lease-ttl", type=_seconds, default=None,
+                   help=f"seconds a silent node stays a member (env {cfg.LEASE_TTL_ENV}, "
+                        f"default {cfg.DEFAULT_LEASE_TTL.total_seconds():g})")
+    # None: torchrun's --rdzv-conf key decides, else the default (see _rdzv_seconds).
+    p.add_argument("--last-call", type=_seconds, default=None,
+                   help="seconds to wait for more nodes once MIN have joined "
+                        f"(default {cfg.DEFAULT_LAST_CALL.total_seconds():g})")
+    p.add_argument("--join-timeout", type=_seconds, default=None,
+                   help="seconds to wait for MIN nodes before giving up "
+                        f"(default {cfg.DEFAULT_JOIN_TIMEOUT.total_seconds():g})")
     p.add_argument("--node-id", default=None, help="this node's name (default host-pid)")
     p.add_argument("--local-addr", "--local_addr", default=None,
                    help="address peers reach this node at "
@@ -160,14 +186,14 @@ def _auth(args: argparse.Namespace, tls: bool = False) -> cfg.EtcdAuth:
         path = getattr(args, flag)
         if path and not os.path.isfile(path):
             raise ConfigError(f"--{flag.replace('_', '-')} {path} does not exist",
-                              "Pass the path of a PEM file.")  # fmt: skip
+                              "Pass the path of a PEM file.")
     if bool(args.etcd_cert) != bool(args.etcd_key):
         raise ConfigError("--etcd-cert and --etcd-key go together", "Pass both or neither.")
     _check_pem(args.etcd_cacert, args.etcd_cert, args.etcd_key)
     password = os.environ.get(cfg.ETCD_PASSWORD_ENV)
     if args.etcd_user and not password:
         raise ConfigError(f"--etcd-user {args.etcd_user} has no password",
-                          f"Set {cfg.ETCD_PASSWORD_ENV}.")  # fmt: skip
+                          f"Set {cfg.ETCD_PASSWORD_ENV}.")
     return cfg.EtcdAuth(
         cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
         user=args.etcd_user, password=password if args.etcd_user else None, tls=tls,
@@ -270,11 +296,10 @@ def _check_rendezvous_flags(args: argparse.Namespace, max_nodes: int) -> None:
 def _output(args: argparse.Namespace) -> OutputSpec:
     """torchrun's output flags -> where the workers' streams go (agents/output.py)."""
     streams = "0-3 (1 stdout, 2 stderr, 3 both) or LOCAL_RANK:N pairs like 0:3,1:1"
-    fixes = {"redirects": f"Pass -r {streams}.", "tee": f"Pass -t {streams}.",
-             "filter": "Pass local ranks separated by commas, like 0,1."}  # fmt: skip
-    redirects = _flag(fixes["redirects"], lambda: parse_std(args.redirects, "--redirects"))
-    tee = _flag(fixes["tee"], lambda: parse_std(args.tee, "--tee"))
-    ranks = _flag(fixes["filter"], lambda: parse_ranks(args.local_ranks_filter))
+    redirects = _flag(f"Pass -r {streams}.", lambda: parse_std(args.redirects, "--redirects"))
+    tee = _flag(f"Pass -t {streams}.", lambda: parse_std(args.tee, "--tee"))
+    ranks = _flag("Pass local ranks separated by commas, like 0,1.",
+                  lambda: parse_ranks(args.local_ranks_filter))  # fmt: skip
     if args.log_dir and os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
         raise ConfigError(f"--log-dir {args.log_dir} is a file", "Pass a directory.")
     return OutputSpec(log_dir=args.log_dir, redirects=redirects, tee=tee, ranks_filter=ranks,
@@ -287,6 +312,11 @@ def _flag(fix: str, parse: Callable[[], _T]) -> _T:
         return parse()
     except ValueError as exc:
         raise ConfigError(str(exc), fix) from None
+
+
+def _rdzv_seconds(flag: timedelta | None, conf: timedelta | None, default: timedelta) -> timedelta:
+    """Precedence: our flag, then torchrun's --rdzv-conf key, then the default."""
+    return flag if flag is not None else conf if conf is not None else default
 
 
 def _set_omp_threads(nproc: int) -> None:
@@ -303,19 +333,31 @@ def _set_omp_threads(nproc: int) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from agents.agent import Agent, AgentConfig
+    from agents.agent import Agent
+    from agents.config import AgentConfig
     from elastic_rt.etcd_server import EtcdServer, is_port_free
 
     min_nodes, max_nodes = cfg.parse_nnodes(args.nnodes)
-    cfg.check_run_id(args.run_id)
     _check_rendezvous_flags(args, max_nodes)
     conf = flags.parse_rdzv_conf(args.rdzv_conf)
     nproc = flags.resolve_nproc(args.nproc_per_node)
     endpoint, tls = parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else ("", False)
+    # Every value is checked before a private etcd starts: a mistake costs nothing to clean up.
+    rendezvous = cfg.RendezvousConfig(
+        run_id=args.run_id,
+        endpoint=endpoint,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        lease_ttl=(args.lease_ttl or cfg.env_seconds(os.environ, cfg.LEASE_TTL_ENV)
+                   or cfg.DEFAULT_LEASE_TTL),
+        last_call=_rdzv_seconds(args.last_call, conf.get("last_call_timeout"),
+                                cfg.DEFAULT_LAST_CALL),
+        join_timeout=_rdzv_seconds(args.join_timeout, conf.get("join_timeout"),
+                                   cfg.DEFAULT_JOIN_TIMEOUT),
+        auth=_auth(args, tls),
+    )  # fmt: skip
     command = _worker_command(args)
     output = _output(args)
-    auth = _auth(args, tls)
-    server = None
     if not endpoint and args.etcd_port is not None and not is_port_free(args.etcd_port):
         # Checked here so the fix names launch's flag, not `elastic-rt etcd --port`.
         raise ConfigError(
@@ -325,51 +367,35 @@ def _launch(args: argparse.Namespace) -> int:
     if output.log_dir:
         os.makedirs(output.log_dir, exist_ok=True)
     _set_omp_threads(nproc)
-    if not endpoint:
-        server = EtcdServer(port=args.etcd_port).start()
-        endpoint = server.endpoint
-        logger.info("private etcd at etcd://%s", endpoint)
-    host = args.local_addr or (
-        "127.0.0.1" if endpoint.split(":")[0] in ("127.0.0.1", "localhost") else _fqdn()
-    )
-    if host == "127.0.0.1":
-        # Keep gloo on loopback too, whatever the host name resolves to.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    rendezvous = cfg.RendezvousConfig(
-        run_id=args.run_id,
-        endpoint=endpoint,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        lease_ttl=timedelta(seconds=args.lease_ttl),
-        last_call=_seconds(args.last_call, conf.get("last_call_timeout"), 1.0),
-        join_timeout=_seconds(args.join_timeout, conf.get("join_timeout"), 600.0),
-        auth=auth,
-    )
-    extra = {"node_id": args.node_id} if args.node_id else {}
-    config = AgentConfig(
-        rendezvous=rendezvous,
-        command=command,
-        nproc_per_node=nproc,
-        max_restarts=args.max_restarts,
-        monitor_interval=timedelta(seconds=args.monitor_interval),
-        grace_period=timedelta(seconds=args.shutdown_timeout),
-        host=host,
-        events_file=args.events_file,
-        output=output,
-        **extra,
-    )
+    server = None if endpoint else EtcdServer(port=args.etcd_port).start()
     try:
+        if server is not None:
+            rendezvous = dataclasses.replace(rendezvous, endpoint=server.endpoint)
+            logger.info("private etcd at etcd://%s", server.endpoint)
+        host = args.local_addr or (
+            "127.0.0.1" if rendezvous.endpoint.split(":")[0] in ("127.0.0.1", "localhost")
+            else _fqdn()
+        )  # fmt: skip
+        if host == "127.0.0.1":
+            # Keep gloo on loopback too, whatever the host name resolves to.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        extra = {"node_id": args.node_id} if args.node_id else {}
+        config = AgentConfig(
+            rendezvous=rendezvous,
+            command=command,
+            nproc_per_node=nproc,
+            max_restarts=args.max_restarts,
+            monitor_interval=args.monitor_interval,
+            grace_period=args.shutdown_timeout,
+            host=host,
+            events_file=args.events_file,
+            output=output,
+            **extra,
+        )
         return Agent(config).run()
     finally:
         if server is not None:
             server.stop()
-
-
-def _seconds(flag: float | None, conf: timedelta | None, default: float) -> timedelta:
-    """Precedence: our flag, then torchrun's --rdzv-conf key, then the default."""
-    if flag is not None:
-        return timedelta(seconds=flag)
-    return conf if conf is not None else timedelta(seconds=default)
 
 
 def _fqdn() -> str:
@@ -420,9 +446,8 @@ def _status(args: argparse.Namespace) -> int:
 
     cfg.check_run_id(args.run_id)
     endpoint, tls = parse_endpoint(args.rdzv_endpoint)
-    auth = _auth(args, tls)
-    print(show_status(endpoint, args.run_id, auth=auth, events_file=args.events_file,
-                      as_json=args.json))  # fmt: skip
+    print(show_status(endpoint, args.run_id, auth=_auth(args, tls), events_file=args.events_file,
+                      as_json=args.json))
     return 0
 
 
@@ -432,17 +457,45 @@ def _add_checkpoint(commands: argparse._SubParsersAction) -> None:  # type: igno
     for name, text in (("ls", "list checkpoints"), ("verify", "check every file's checksum")):
         q = sub.add_parser(name, help=text)
         q.add_argument("url", help="path, file://, s3://bucket/prefix or memory://")
+        q.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="an fsspec storage option, e.g. endpoint_url=http://host:9000, "
+                            "profile=NAME, anon=true (repeatable)")
         q.set_defaults(func=_checkpoint)
+
+
+def parse_storage_options(items: Sequence[str]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs as fsspec options; ``true``/``false`` become booleans.
+
+    Raises:
+        ConfigError: an item is not ``KEY=VALUE``.
+    """
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError(f"--storage-option {item!r} is not KEY=VALUE",
+                              "Pass for example --storage-option endpoint_url=http://host:9000.")
+        options[key.strip()] = {"true": True, "false": False}.get(value.lower(), value)
+    return options
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
     from elastic_rt.checkpoint import inspect
+    from elastic_rt.checkpoint.storage import quiet_drivers
+    from elastic_rt.errors import CheckpointError
 
-    if args.action == "ls":
-        for line in inspect.ls(args.url):
-            print(line)
-        return 0
-    ok, lines = inspect.verify(args.url)
+    options = parse_storage_options(args.storage_option)
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        quiet_drivers()
+    try:
+        if args.action == "ls":
+            for line in inspect.ls(args.url, options):
+                print(line)
+            return 0
+        ok, lines = inspect.verify(args.url, options)
+    except CheckpointError as exc:  # storage failed mid-way: one line, not a traceback
+        print(f"elastic-rt: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     for line in lines:
         print(line)
     return 0 if ok else 1
@@ -456,7 +509,7 @@ def _add_timeline(commands: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from elastic_rt.timeline import draw_timeline
+    from elastic_rt.timeline_draw import draw_timeline
 
     path = draw_timeline(args.events, args.output)
     print(path)

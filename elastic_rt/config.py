@@ -7,6 +7,7 @@ run) plus ``ELASTIC_RT_*`` extras that the library reads with :func:`WorkerEnv.f
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -45,6 +46,49 @@ ETCD_KEY_ENV = "ELASTIC_RT_ETCD_KEY"
 ETCD_USER_ENV = "ELASTIC_RT_ETCD_USER"
 ETCD_PASSWORD_ENV = "ELASTIC_RT_ETCD_PASSWORD"
 ETCD_TLS_ENV = "ELASTIC_RT_ETCD_TLS"
+AGENT_DIR_ENV = "ELASTIC_RT_AGENT_DIR"
+COLLECTIVE_TIMEOUT_ENV = "ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC"
+LOG_LEVEL_ENV = "ELASTIC_RT_LOG_LEVEL"
+
+# Defaults, each written here once; the CLI, the agent and the workers take them from here.
+DEFAULT_LEASE_TTL = timedelta(seconds=5)
+DEFAULT_LAST_CALL = timedelta(seconds=1)
+DEFAULT_JOIN_TIMEOUT = timedelta(seconds=600)
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_MONITOR_INTERVAL = timedelta(seconds=0.1)
+DEFAULT_REFORM_TIMEOUT = timedelta(seconds=120)
+"""In-process workers that have not joined a new round by then are restarted."""
+
+
+def env_seconds(env: Mapping[str, str], name: str) -> timedelta | None:
+    """The duration in seconds held by variable ``name`` (``2.5`` works); None when unset.
+
+    Raises:
+        ConfigError: the value is not a non-negative number.
+    """
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"{name}={text!r} is not a number of seconds", f"Set {name} to e.g. 5.")
+    return timedelta(seconds=seconds)
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(
+            f"{name}={text!r} is not a whole number",
+            "Start workers with elastic-rt launch or torchrun.",
+        ) from None
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -144,11 +188,11 @@ class RendezvousConfig:
     """etcd address as ``host:port`` (the ``etcd://`` scheme stripped)."""
     min_nodes: int = 1
     max_nodes: int = 1
-    lease_ttl: timedelta = timedelta(seconds=5)
+    lease_ttl: timedelta = DEFAULT_LEASE_TTL
     """A node whose lease is not renewed for this long is gone."""
-    last_call: timedelta = timedelta(seconds=1)
+    last_call: timedelta = DEFAULT_LAST_CALL
     """Once ``min_nodes`` are there, wait this long for more before forming a round."""
-    join_timeout: timedelta = timedelta(seconds=600)
+    join_timeout: timedelta = DEFAULT_JOIN_TIMEOUT
     """Give up when ``min_nodes`` have not joined within this time."""
     auth: EtcdAuth = field(default_factory=EtcdAuth)
 
@@ -170,19 +214,29 @@ class RendezvousConfig:
         return f"/elastic_rt/{self.run_id}/"
 
 
-AGENT_DIR_ENV = "ELASTIC_RT_AGENT_DIR"
-COLLECTIVE_TIMEOUT_ENV = "ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC"
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerEnv:
-    """What the agent tells a worker through its environment (see agents/worker_env.py)."""
+    """What the agent tells a worker through its environment, and the worker reads back.
 
-    rank: int
-    local_rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
+    The one description of that environment: the agent builds these values and
+    writes them with :meth:`to_env`; the library reads them with :meth:`from_env`, and
+    ``from_env(w.to_env()) == w``. torchrun's variables are included, so an
+    unmodified torchrun script runs. A worker started outside any round (``round``
+    -1, an in-process replacement waiting to be admitted) has no rank yet: its
+    torchrun placement variables are not written and read back as the defaults.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_rank: int = 0
+    """The node's index in the round (torchrun's ``GROUP_RANK``)."""
+    group_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    restart_count: int = 0
+    max_restarts: int = 0
     node_id: str = ""
     run_id: str = ""
     round: int = 0
@@ -192,7 +246,9 @@ class WorkerEnv:
     agent_dir: str = ""
     """Where the worker leaves its in-process acknowledgements for the agent."""
     events_file: str | None = None
-    lease_ttl: timedelta = timedelta(seconds=5)
+    lease_ttl: timedelta = DEFAULT_LEASE_TTL
+    collective_timeout: timedelta | None = None
+    """How long a training collective may wait; None: the lease TTL decides."""
     auth: EtcdAuth = field(default_factory=EtcdAuth)
 
     @property
@@ -200,52 +256,77 @@ class WorkerEnv:
         """True under ``elastic-rt launch``; False under plain torchrun or none."""
         return bool(self.endpoint and self.node_id)
 
+    @property
+    def in_round(self) -> bool:
+        """False for a worker started before its node was admitted to any round."""
+        return self.round >= 0
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "WorkerEnv":
         """Read a worker's environment; single-process defaults where unset.
 
         Raises:
-            ConfigError: a variable holds something that is not a number.
+            ConfigError: a variable holds something that is not a number (named).
         """
-        try:
-            return cls(
-                rank=int(env.get(RANK_ENV, 0)),
-                local_rank=int(env.get(LOCAL_RANK_ENV, 0)),
-                world_size=int(env.get(WORLD_SIZE_ENV, 1)),
-                master_addr=env.get(MASTER_ADDR_ENV, "127.0.0.1"),
-                master_port=int(env.get(MASTER_PORT_ENV, 0)),
-                node_id=env.get(NODE_ID_ENV, ""),
-                run_id=env.get(RUN_ID_ENV, ""),
-                round=int(env.get(ROUND_ENV, 0)),
-                token=int(env.get(TOKEN_ENV, 0)),
-                endpoint=env.get(ENDPOINT_ENV, ""),
-                agent_dir=env.get(AGENT_DIR_ENV, ""),
-                events_file=env.get(EVENTS_FILE_ENV) or None,
-                lease_ttl=timedelta(seconds=float(env.get(LEASE_TTL_ENV, 5))),
-                auth=EtcdAuth.from_env(env),
-            )
-        except ValueError as exc:
-            raise ConfigError(
-                f"a worker environment variable is not a number ({exc})",
-                "Start workers with elastic-rt launch or torchrun.",
-            ) from exc
+        return cls(
+            rank=_env_int(env, RANK_ENV, 0),
+            local_rank=_env_int(env, LOCAL_RANK_ENV, 0),
+            world_size=_env_int(env, WORLD_SIZE_ENV, 1),
+            local_world_size=_env_int(env, LOCAL_WORLD_SIZE_ENV, 1),
+            group_rank=_env_int(env, GROUP_RANK_ENV, 0),
+            group_world_size=_env_int(env, GROUP_WORLD_SIZE_ENV, 1),
+            master_addr=env.get(MASTER_ADDR_ENV) or "127.0.0.1",
+            master_port=_env_int(env, MASTER_PORT_ENV, 0),
+            restart_count=_env_int(env, RESTART_COUNT_ENV, 0),
+            max_restarts=_env_int(env, MAX_RESTARTS_ENV, 0),
+            node_id=env.get(NODE_ID_ENV, ""),
+            run_id=env.get(RUN_ID_ENV, ""),
+            round=_env_int(env, ROUND_ENV, 0),
+            token=_env_int(env, TOKEN_ENV, 0),
+            endpoint=env.get(ENDPOINT_ENV, ""),
+            agent_dir=env.get(AGENT_DIR_ENV, ""),
+            events_file=env.get(EVENTS_FILE_ENV) or None,
+            lease_ttl=env_seconds(env, LEASE_TTL_ENV) or DEFAULT_LEASE_TTL,
+            collective_timeout=env_seconds(env, COLLECTIVE_TIMEOUT_ENV),
+            auth=EtcdAuth.from_env(env),
+        )
 
     def to_env(self) -> dict[str, str]:
+        """The variables to set for this worker (added to the agent's own environment)."""
         env = {
-            RANK_ENV: str(self.rank),
             LOCAL_RANK_ENV: str(self.local_rank),
-            WORLD_SIZE_ENV: str(self.world_size),
-            MASTER_ADDR_ENV: self.master_addr,
-            MASTER_PORT_ENV: str(self.master_port),
+            LOCAL_WORLD_SIZE_ENV: str(self.local_world_size),
+            RESTART_COUNT_ENV: str(self.restart_count),
+            MAX_RESTARTS_ENV: str(self.max_restarts),
             NODE_ID_ENV: self.node_id,
             RUN_ID_ENV: self.run_id,
             ROUND_ENV: str(self.round),
-            TOKEN_ENV: str(self.token),
             ENDPOINT_ENV: self.endpoint,
             AGENT_DIR_ENV: self.agent_dir,
-            LEASE_TTL_ENV: str(self.lease_ttl.total_seconds()),
+            LEASE_TTL_ENV: _seconds_text(self.lease_ttl),
             **self.auth.to_env(),
         }
+        if self.in_round:
+            env.update({
+                RANK_ENV: str(self.rank),
+                ROLE_RANK_ENV: str(self.rank),
+                WORLD_SIZE_ENV: str(self.world_size),
+                ROLE_WORLD_SIZE_ENV: str(self.world_size),
+                ROLE_NAME_ENV: "default",
+                GROUP_RANK_ENV: str(self.group_rank),
+                GROUP_WORLD_SIZE_ENV: str(self.group_world_size),
+                MASTER_ADDR_ENV: self.master_addr,
+                MASTER_PORT_ENV: str(self.master_port),
+                TOKEN_ENV: str(self.token),
+            })  # fmt: skip
         if self.events_file:
             env[EVENTS_FILE_ENV] = self.events_file
+        if self.collective_timeout is not None:
+            env[COLLECTIVE_TIMEOUT_ENV] = _seconds_text(self.collective_timeout)
         return env
+
+
+def _seconds_text(duration: timedelta) -> str:
+    """``5`` for whole seconds (what torchrun-era scripts expect), else ``2.5``."""
+    seconds = duration.total_seconds()
+    return str(int(seconds)) if seconds == int(seconds) else repr(seconds)

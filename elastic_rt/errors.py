@@ -91,6 +91,16 @@ class CorruptShardError(CheckpointError):
     """A checkpoint file is missing or fails its checksum. Retryable with an older checkpoint."""
 
 
+class CheckpointLocationError(UserError):
+    """A checkpoint URL's bucket or folder does not exist. Not retryable: fix the URL
+    or create the location (an existing, empty location is a fresh start)."""
+
+
+class StorageUnreachableError(UserError):
+    """Checkpoint storage cannot be reached at start-up (a wrong endpoint, no network).
+    Not retryable there; the same trouble during a running job is a CheckpointError."""
+
+
 class WorkerFailedError(ElasticError):
     """A worker failed and the restart budget is spent. Not retryable."""
 

@@ -72,7 +72,8 @@ class RoundFollower:
                     and self.env.node_id in current.members):
                 return current
             self._changed.wait(0.2)
-        raise RendezvousTimeoutError(f"round {self.env.round} not found in etcd", "Restart the job.")
+        raise RendezvousTimeoutError(f"round {self.env.round} not found in etcd",
+                                     "Restart the job.")
 
     def wait_for_round(self, after: int, timeout: timedelta) -> Round:
         """Block until a round newer than ``after`` that includes this node exists.

@@ -15,9 +15,10 @@ first event):
 
 Losses and joins are vertical lines across every panel; recoveries are shaded.
 
-The analysis half (:func:`load_events`, :func:`find_recoveries`) is pure and also
-feeds ``elastic-rt status``; drawing is in :mod:`.timeline_draw`, the only place
-matplotlib is imported, so neither the agent nor ``status`` pays for it.
+This module is the analysis half (:func:`load_events`, :func:`find_recoveries`): pure,
+and it also feeds ``elastic-rt status``. Drawing (:func:`.timeline_draw.draw_timeline`)
+imports this module, never the other way round; it is the only place matplotlib is
+imported, so neither the agent nor ``status`` pays for it.
 
 Note:
     A node killed outright writes nothing about its death. A recovery therefore
@@ -35,7 +36,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from elastic_rt.errors import ConfigError, NoEventsError
+from elastic_rt.errors import NoEventsError
 from elastic_rt.events import Event
 
 FAULTS = frozenset({"worker.failed", "node.left", "agent.fenced", "step.retried"})
@@ -292,42 +293,6 @@ def duration_text(recovery: Recovery) -> str:
     text = f"{recovery.duration_s:.1f} s"
     text += "" if recovery.is_start_seen else " + detection"
     return text if recovery.is_end_seen else f"{text} + start-up"
-
-
-def draw_timeline(paths: Sequence[str], output: str) -> str:
-    """Draw the events in ``paths`` to ``output`` (.png, .svg or .pdf); returns its path.
-
-    Raises:
-        NoEventsError: a file is missing, binary, not events, or holds no events.
-        ConfigError: the output's extension is not an image format, or its folder is
-            missing or not writable (nothing is created).
-    """
-    check_output(output)
-    events = load_events(paths)
-    from elastic_rt.timeline_draw import draw
-
-    figure = draw(events, find_recoveries(events))
-    figure.savefig(output, dpi=130, bbox_inches="tight")
-    return output
-
-
-def check_output(output: str) -> None:
-    """Refuse an output that cannot be written, before any work and creating nothing.
-
-    Raises:
-        ConfigError: not .png, .svg or .pdf, or its folder is missing or read-only.
-    """
-    extension = os.path.splitext(output)[1].lower().lstrip(".")
-    if extension not in ("png", "svg", "pdf"):
-        raise ConfigError(
-            f"output {output} is not .png, .svg or .pdf", "Pass for example -o run.png."
-        )
-    folder = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"output folder {folder} does not exist",
-                          "Create it first, or pass -o in an existing folder.")  # fmt: skip
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(f"output folder {folder} is not writable", "Pass -o somewhere writable.")
 
 
 def node_order(events: Sequence[Event]) -> list[str]:

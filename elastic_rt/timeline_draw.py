@@ -1,20 +1,26 @@
 """Drawing a run's timeline with matplotlib (the analysis is in :mod:`.timeline`).
 
-Only :func:`draw` imports matplotlib, and it builds a bare Figure (no pyplot), so no
-global backend state changes and importing this module costs nothing.
+This module depends on :mod:`.timeline` and not the reverse, so the analysis stays
+importable without any drawing code. Only :func:`draw` imports matplotlib, and it
+builds a bare Figure (no pyplot), so no global backend state changes and importing
+this module costs nothing.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from elastic_rt.errors import ConfigError
 from elastic_rt.events import Event
 from elastic_rt.timeline import (
     PHASE_COLOURS,
     Recovery,
     duration_text,
+    find_recoveries,
     job_end_ms,
+    load_events,
     never_admitted,
     node_order,
     rounds_formed,
@@ -315,3 +321,37 @@ def _legend(
     phases = {p.label for r in recoveries for p in r.phases}
     handles += [Patch(color=c, label=p) for p, c in PHASE_COLOURS.items() if p in phases]
     figure.legend(handles=handles, loc="outside right center", fontsize=8.5, frameon=False)
+
+
+def draw_timeline(paths: Sequence[str], output: str) -> str:
+    """Draw the events in ``paths`` to ``output`` (.png, .svg or .pdf); returns its path.
+
+    Raises:
+        NoEventsError: a file is missing, binary, not events, or holds no events.
+        ConfigError: the output's extension is not an image format, or its folder is
+            missing or not writable (nothing is created).
+    """
+    check_output(output)
+    events = load_events(paths)
+    figure = draw(events, find_recoveries(events))
+    figure.savefig(output, dpi=130, bbox_inches="tight")
+    return output
+
+
+def check_output(output: str) -> None:
+    """Refuse an output that cannot be written, before any work and creating nothing.
+
+    Raises:
+        ConfigError: not .png, .svg or .pdf, or its folder is missing or read-only.
+    """
+    extension = os.path.splitext(output)[1].lower().lstrip(".")
+    if extension not in ("png", "svg", "pdf"):
+        raise ConfigError(
+            f"output {output} is not .png, .svg or .pdf", "Pass for example -o run.png."
+        )
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"output folder {folder} does not exist",
+                          "Create it first, or pass -o in an existing folder.")  # fmt: skip
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"output folder {folder} is not writable", "Pass -o somewhere writable.")

@@ -43,7 +43,9 @@ def context() -> Context:
         RuntimeError: no elastic loop has run in this process.
     """
     if _current is None:
-        raise RuntimeError("elastic_rt.context() needs elastic_rt.run() to have started in this process")
+        raise RuntimeError(
+            "elastic_rt.context() needs elastic_rt.run() to have started in this process"
+        )
     return _current
 
 

@@ -85,7 +85,9 @@ class Demo:
         deadline, shown = time.monotonic() + timeout, -1
         while self.step() < step:
             if time.monotonic() > deadline:
-                raise SystemExit(f"no progress to step {step} within {timeout:.0f} s; see {self.out}")
+                raise SystemExit(
+                    f"no progress to step {step} within {timeout:.0f} s; see {self.out}"
+                )
             current = self.step()
             if current // 10 != shown // 10:
                 shown = current
@@ -137,16 +139,17 @@ def report(demo: Demo, killed_at: float) -> None:
             continue
         extra = {k: v for k, v in e.metadata.items() if k in ("world_size", "reason", "lost",
                  "duration_ms", "downtime_ms", "source", "name", "members")}
-        who = e.node + (f"/rank{e.rank}" if e.rank is not None else "")
+        who = (e.node or "") + (f"/rank{e.rank}" if e.rank is not None else "")
         print(f"  {(e.timestamp_ms - t0) / 1000:7.2f}s  {e.name:20s} {who:12s} round={e.round} "
               f"step={e.step} {json.dumps(extra)}")
     resumed = [e for e in events if e.name == "step.resumed" and e.timestamp_ms > killed_at * 1000]
     if resumed:
         first = min(resumed, key=lambda e: e.timestamp_ms)
-        print(f"\nKill -> survivors' next completed step: {first.timestamp_ms / 1000 - killed_at:.2f} s "
+        took = first.timestamp_ms / 1000 - killed_at
+        print(f"\nKill -> survivors' next completed step: {took:.2f} s "
               f"(no worker restarted, 0 steps lost: resumed at step {first.step})")
     report_growth(events, "node-d")
-    sizes = []
+    sizes: list[tuple[int | None, int]] = []
     for e in events:
         if e.name == "step.completed" and (not sizes or sizes[-1][1] != e.metadata["world_size"]):
             sizes.append((e.step, e.metadata["world_size"]))
@@ -192,8 +195,8 @@ def main() -> None:
         say(f"job finished; agents' exit codes: {codes} (node-c: {demo.procs['node-c'].wait()})")
         report(demo, killed_at)
         picture = out / "timeline.png"
-        subprocess.run([PY, "-m", "elastic_rt.cli", "timeline", str(demo.events_file), "-o", str(picture)],
-                       check=False, capture_output=True)
+        subprocess.run([PY, "-m", "elastic_rt.cli", "timeline", str(demo.events_file),
+                        "-o", str(picture)], check=False, capture_output=True)
         print(f"\nA picture of the run: {picture}\nEvents, logs and checkpoints: {out}")
         if any(codes.values()):
             raise SystemExit(1)

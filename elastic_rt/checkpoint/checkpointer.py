@@ -1,17 +1,23 @@
 """The Checkpointer: sharded, atomic, asynchronous checkpoints on an fsspec URL.
 
-Every save goes to a fresh folder ``<url>/step-<8 digit step>-<6 hex>/``, never over
-an old one (an interrupted overwrite would mix two steps). Every rank writes its own
-shards through DCP; rank 0 then writes the JSON manifest (the last file) and, when a
-pointer is given, commits the name in the run's fenced pointer. Only then is the
-checkpoint committed and visible to :meth:`Checkpointer.load`. Retention, on rank 0
-after each commit, keeps the newest ``keep`` committed checkpoints and removes the
-rest, including partial folders left by crashed saves.
+Every save goes to a fresh folder ``<url>/step-<step>-g<generation>-<6 hex>/``, never
+over an old one (an interrupted overwrite would mix two steps); its generation is past
+every folder in storage and the checkpoint this process restored, so the newest
+commit is the newest in :func:`~.manifest.order_key` order. Every rank writes its own
+shards through DCP; rank 0 checks that they are all still there, then writes the JSON
+manifest (the last file) and, when a pointer is given, commits the name in the run's
+fenced pointer. Only then is the checkpoint committed and visible to
+:meth:`Checkpointer.load`. Retention, on rank 0 after each commit, keeps the newest
+``keep`` loadable checkpoints and removes the rest, including partial folders left by
+crashed saves once nothing has changed in them for :data:`PARTIAL_GRACE_S` (until
+then a live writer -- another process, a fenced-out round -- may be filling them).
 
 Failure behaviour: a failure on any rank fails the save on every rank (nobody is
 left in a collective), and is raised by the next :meth:`~Checkpointer.save` or
-:meth:`~Checkpointer.wait`. A load verifies every file it reads; when the newest
-checkpoint is corrupt, ``load(name=None)`` falls back to the one before it.
+:meth:`~Checkpointer.wait`. A load first checks that the location exists (a
+missing bucket or folder is an error, never a fresh start), then verifies the manifest,
+DCP's metadata and every file it reads; when the newest checkpoint is corrupt,
+``load(name=None)`` falls back to the one before it.
 
 Background collectives run on a gloo group of their own, created next to the
 training group, so a write in flight never interleaves with training collectives.
@@ -19,6 +25,7 @@ training group, so a write in flight never interleaves with training collectives
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import time
@@ -40,16 +47,25 @@ from elastic_rt.checkpoint.manifest import (
     candidates,
     committed_names,
     names_to_remove,
-    parse_step,
+    new_name,
+    next_generation,
+    parse_name,
     read_manifest,
     scan,
     write_manifest,
 )
 from elastic_rt.checkpoint.pointer import PointerStore
-from elastic_rt.checkpoint.sharded import check_fits, read_header, read_shards, write_shards
+from elastic_rt.checkpoint.sharded import (
+    Header,
+    check_fits,
+    read_header,
+    read_shards,
+    write_shards,
+)
 from elastic_rt.checkpoint.state_tree import FlatState, encode_objects, flatten
 from elastic_rt.checkpoint.storage import FsspecStorage
 from elastic_rt.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     CorruptShardError,
@@ -57,6 +73,11 @@ from elastic_rt.errors import (
 from elastic_rt.events import EventSink
 
 logger = logging.getLogger(__name__)
+
+PARTIAL_GRACE_S = 600.0
+"""Retention deletes a folder without a manifest only when nothing in it changed for
+this long: before that, a live writer may still be filling it (a save's files appear
+one by one, each within well under this time)."""
 
 
 @dataclass(frozen=True)
@@ -71,11 +92,14 @@ class CheckpointInfo:
     committed: bool
     nbytes: int
     files: tuple[FileEntry, ...] = field(default=())
+    generation: int = 0
+    problem: str | None = None
+    """Why its manifest cannot be read (then it is not committed), else None."""
 
     @classmethod
     def of(cls, manifest: Manifest, url: str, committed: bool = True) -> "CheckpointInfo":
         return cls(manifest.name, manifest.step, url, manifest.layout, dict(manifest.extra),
-                   committed, manifest.nbytes, manifest.files)
+                   committed, manifest.nbytes, manifest.files, manifest.generation)
 
 
 class Checkpointer:
@@ -117,6 +141,10 @@ class Checkpointer:
         self._side: tuple[Any, Any] | None = None
         self._round_of: Callable[[], int | None] = lambda: None
         self._unclaimed: CheckpointInfo | None = None
+        self._generation = 0
+        """The highest generation this process restored or saved; saves go past it."""
+        self._known_bad: set[str] = set()
+        """Checkpoints a load of ours found damaged: retention does not count them."""
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.url!r}, every_steps={self.every_steps}, keep={self.keep})"
@@ -143,11 +171,12 @@ class Checkpointer:
             flat = flatten(state)
             objects = encode_objects(flat.objects)
             extra = _checked_extra(extra)
+            layout = _checked_layout(layout)
             tensors = self._stager.stage(flat.tensors) if self.async_save else flat.tensors
         except BaseException as exc:
             # The other ranks are about to wait for us in the first collective of
             # their write: join it with our error so that they fail too, not hang.
-            coord.agree_name(step, exc, group)
+            coord.agree_name(lambda: "", exc, group, f"preparing the step {step} checkpoint")
             raise
         blocking_s = time.monotonic() - started
         round_number = self._round_of()  # the round whose state this is, not the write's
@@ -181,6 +210,9 @@ class Checkpointer:
         corrupt the one before it (logged and reported as an event).
 
         Raises:
+            CheckpointLocationError: the bucket or folder does not exist (a missing
+                local folder whose parent exists is a new, empty run).
+            StorageUnreachableError: the storage endpoint does not answer.
             CheckpointNotFoundError: no committed checkpoint (or no ``name``) exists.
             CorruptShardError: a file is missing or damaged (every candidate, or ``name``).
             CheckpointMismatchError: the checkpoint does not fit ``state``.
@@ -190,7 +222,7 @@ class Checkpointer:
         flat, local = coord.agree(lambda: (flatten(state), self._candidates(name, group)), group,
                                   "listing checkpoints")
         names, pointer = coord.broadcast(local, group)
-        failed: list[str] = []
+        failed: builtins.list[str] = []
         last_error: CorruptShardError | None = None
         for candidate in names:
             try:
@@ -199,6 +231,7 @@ class Checkpointer:
                     raise CorruptShardError(f"the committed checkpoint {candidate} has lost its "
                                             "manifest")
             except CorruptShardError as exc:
+                self._known_bad.add(candidate)
                 if name is not None:
                     raise
                 logger.warning("checkpoint %s is corrupt (%s); falling back to an older one",
@@ -208,6 +241,7 @@ class Checkpointer:
                 continue
             if info is None:
                 continue  # no manifest: a save that never committed, not a checkpoint
+            self._generation = max(self._generation, info.generation)
             self._emit("checkpoint.restored", info.step, self._round_of(), checkpoint=info.name,
                        fallback_from=failed)
             return info
@@ -217,7 +251,12 @@ class Checkpointer:
                                       + (f" named {name}" if name else ""))
 
     def list(self) -> list[CheckpointInfo]:
-        """Every checkpoint folder, committed or partial, oldest first."""
+        """Every checkpoint folder, committed, partial or damaged, oldest first.
+
+        Raises:
+            CheckpointLocationError, StorageUnreachableError: see :meth:`load`.
+        """
+        self._storage.check_location(allow_new_run=True)
         dirs = scan(self._storage)
         committed = set(committed_names(dirs, self._pointer_name()))
         return [self._info(d, d.name in committed) for d in dirs]
@@ -252,12 +291,16 @@ class Checkpointer:
                layout: dict | None, extra: dict, group: Any, blocking_s: float,
                round_number: int | None) -> CheckpointInfo:
         started = time.monotonic()
-        name = coord.agree_name(step, None, group)
+        name = coord.agree_name(lambda: self._new_name(step), None, group,
+                                f"preparing the step {step} checkpoint")
+        generation = parse_name(name)[1]  # type: ignore[index]  # ours: always parses
+        self._generation = max(self._generation, generation)
         logger.info("writing checkpoint %s", self._storage.url_of(name))
         records = coord.agree(lambda: write_shards(tensors, self._storage, name, group), group,
                               f"saving {name}")
         parts = coord.all_gather((records, objects), group)
-        manifest = Manifest(name=name, step=step, layout=layout, extra=extra,
+        manifest = Manifest(name=name, step=step, generation=generation, layout=layout,
+                            extra=extra,
                             files=_merge_files(parts), objects=_merge_objects(parts),
                             world_size=len(parts), torch_version=torch.__version__)
         coord.agree(lambda: self._commit(manifest, group), group, f"committing {name}")
@@ -271,20 +314,48 @@ class Checkpointer:
             self._retain(committed=name)
         return info
 
+    def _new_name(self, step: int) -> str:
+        """Rank 0: a folder name whose generation is past everything in storage."""
+        return new_name(step, next_generation(self._storage.list_dirs(), self._generation))
+
     def _commit(self, manifest: Manifest, group: Any) -> None:
         if coord.rank_of(group) != 0:
             return
+        self._check_still_there(manifest)
         write_manifest(self._storage, manifest)
         if self._pointer is not None:
             self._pointer.commit(manifest.name)
 
+    def _check_still_there(self, manifest: Manifest) -> None:
+        """Every rank's files are where they were written, or the save fails: another
+        process may have removed the folder, and a manifest alone is no checkpoint."""
+        found = self._storage.list_files(manifest.name)
+        lost = [f.path for f in manifest.files if found.get(f.path) != f.size]
+        if lost:
+            raise CheckpointError(
+                f"{self._storage.url_of(manifest.name)} lost {len(lost)} of its "
+                f"{len(manifest.files)} files while it was being saved (first: {lost[0]}); "
+                "another process removed them, so it was not committed")
+
     def _retain(self, committed: str) -> None:
-        def has_manifest(name: str) -> bool:
-            return name == committed or self._storage.exists(f"{name}/{MANIFEST_FILE}")
+        def loadable(name: str) -> bool:
+            if name == committed:
+                return True
+            try:
+                return (name not in self._known_bad
+                        and read_manifest(self._storage, name, missing_ok=True) is not None)
+            except CorruptShardError:
+                return False
+
+        def settled(name: str) -> bool:
+            if self._storage.exists(f"{name}/{MANIFEST_FILE}"):
+                return True  # a manifest is the last thing a writer writes
+            changed = self._storage.last_change(name)
+            return changed is None or time.time() - changed > PARTIAL_GRACE_S
 
         try:
             doomed = names_to_remove(self._storage.list_dirs(), self._pointer_name(), self.keep,
-                                     {committed}, has_manifest)
+                                     {committed}, loadable, settled)
             for name in doomed:
                 logger.info("retention removes %s", self._storage.url_of(name))
                 self._storage.remove_tree(name)
@@ -300,7 +371,7 @@ class Checkpointer:
             logger.warning("the checkpoint save in flight failed before the load: %s", exc)
 
     def _candidates(self, name: str | None,
-                    group: Any) -> tuple[list[str], str | None]:
+                    group: Any) -> tuple[builtins.list[str], str | None]:
         """Rank 0: the folders to try, newest first, and the pointer they were read under.
 
         One listing of the run's folder; whether a folder holds a manifest is found
@@ -309,6 +380,7 @@ class Checkpointer:
         """
         if coord.rank_of(group) != 0:
             return [], None
+        self._storage.check_location(allow_new_run=True)
         names = self._storage.list_dirs()
         if name is not None:
             return ([name] if name in names else []), None
@@ -319,20 +391,18 @@ class Checkpointer:
         """Load ``name`` (collective); None when it has no manifest (a partial save)."""
         url = self._storage.url_of(name)
 
-        def prepare() -> tuple[Manifest, Any] | None:
+        def prepare() -> Header | None:
             header = read_header(self._storage, name)
-            if header is None:
-                return None
-            manifest, metadata = header
-            check_fits(flat.tensors, metadata, url)
-            flat.check_objects(manifest.objects, url)
-            return manifest, metadata
+            if header is not None:
+                check_fits(flat.tensors, header.metadata, url)
+                flat.check_objects(header.manifest.objects, url)
+            return header
 
-        prepared = coord.agree(prepare, group, f"reading {name}")
-        if prepared is None:
+        header = coord.agree(prepare, group, f"reading {name}")
+        if header is None:
             return None
-        manifest, metadata = prepared
-        read_shards(flat.tensors, self._storage, manifest, metadata, group)
+        manifest = header.manifest
+        read_shards(flat.tensors, self._storage, header, group)
         flat.finish_load(manifest.objects, url)
         logger.info("restored checkpoint %s", url)
         return CheckpointInfo.of(manifest, url)
@@ -344,16 +414,18 @@ class Checkpointer:
 
     def _info(self, state: DirState, committed: bool) -> CheckpointInfo:
         url = self._storage.url_of(state.name)
+        step, generation = parse_name(state.name) or (0, 0)
+        problem = None
         if state.has_manifest:
             try:
                 manifest = read_manifest(self._storage, state.name, missing_ok=True)
             except CorruptShardError as exc:
-                logger.warning("%s", exc)
+                problem = str(exc)
             else:
                 if manifest is not None:  # else removed since the listing
                     return CheckpointInfo.of(manifest, url, committed)
-        return CheckpointInfo(state.name, parse_step(state.name) or 0, url, None, {}, False,
-                              state.nbytes)
+        return CheckpointInfo(state.name, step, url, None, {}, False, state.nbytes,
+                              generation=generation, problem=problem)
 
     def _side_group(self, process_group: Any) -> Any:
         """Our own gloo group over the ranks of ``process_group`` (None: one process)."""
@@ -388,6 +460,16 @@ def _checked_extra(extra: dict | None) -> dict:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"checkpoint extra= is not JSON-able: {exc}",
                           "Pass only str, int, float, bool, None, lists and dicts.") from exc
+
+
+def _checked_layout(layout: dict | None) -> dict | None:
+    """The layout as the manifest stores it: axis names to sizes (anything else would
+    make the checkpoint unreadable as corrupt)."""
+    if layout is not None and not (isinstance(layout, dict) and all(
+            isinstance(k, str) and type(v) is int and v > 0 for k, v in layout.items())):
+        raise ConfigError(f"checkpoint layout={layout!r} is not a map of axis names to sizes",
+                          "Pass layout.to_dict(), e.g. {'dp': 2, 'pp': 1, 'tp': 1}.")
+    return layout
 
 
 def _merge_files(parts: list[tuple[dict[str, FileEntry], dict]]) -> tuple[FileEntry, ...]:

@@ -12,6 +12,7 @@ CRC-32 stays readable so that checkpoints written before the switch still verify
 
 from __future__ import annotations
 
+import re
 import zlib
 from typing import Protocol
 
@@ -49,7 +50,14 @@ class _Crc32:
         return f"crc32:{self._crc:08x}"
 
 
-_ALGORITHMS = {"xxh3_64": _Xxh3, "crc32": _Crc32}
+_ALGORITHMS: dict[str, type[Hasher]] = {"xxh3_64": _Xxh3, "crc32": _Crc32}
+_RECORDED_RE = re.compile(r"^(?:xxh3_64:[0-9a-f]{16}|crc32:[0-9a-f]{8})$")
+
+
+def is_recorded_checksum(value: object) -> bool:
+    """Whether ``value`` is a checksum as we record it: a known algorithm and the
+    right number of lowercase hex digits (anything else in a manifest is damage)."""
+    return isinstance(value, str) and _RECORDED_RE.match(value) is not None
 
 
 def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Hasher:

@@ -19,7 +19,6 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from elastic_rt import errors
-from elastic_rt.checkpoint.manifest import new_name
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +32,8 @@ _PASSED_ON = (
     errors.FencedOutError,
     errors.ConfigError,
     errors.UnknownURLSchemeError,
+    errors.CheckpointLocationError,
+    errors.StorageUnreachableError,
 )
 
 
@@ -78,17 +79,27 @@ def agree(fn: Callable[[], T], group: dist.ProcessGroup | None, what: str) -> T:
     return result
 
 
-def agree_name(step: int, error: BaseException | None, group: dist.ProcessGroup | None) -> str:
+def agree_name(propose: Callable[[], str], error: BaseException | None,
+               group: dist.ProcessGroup | None, what: str) -> str:
     """The first collective of a save: every rank reports whether it is ready, and
-    rank 0's fresh folder name comes back. Raises on every rank if one is not ready.
+    rank 0's ``propose()`` (a fresh folder name) comes back. Raises on every rank if
+    one is not ready or the proposal failed.
     """
-    proposals = all_gather((new_name(step), _describe(error)), group)
+    proposal: str | None = None
+    if error is None and rank_of(group) == 0:
+        try:
+            proposal = propose()
+        except BaseException as exc:  # reported to every rank below, then raised
+            error = exc
+    proposals = all_gather((proposal, _describe(error)), group)
     if error is not None:
         raise error
     for rank, (_, failure) in enumerate(proposals):
         if failure is not None:
-            raise _rebuild(failure, rank, f"preparing the step {step} checkpoint")
-    return proposals[0][0]
+            raise _rebuild(failure, rank, what)
+    name = proposals[0][0]
+    assert name is not None  # rank 0 proposed or failed
+    return name
 
 
 def _describe(error: BaseException | None) -> tuple[str, str, str] | None:

@@ -21,6 +21,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -44,8 +45,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from elastic_rt.checkpoint.checksum import checksum_of, new_hasher
 from elastic_rt.checkpoint.manifest import FileEntry, Manifest, read_manifest
+from elastic_rt.checkpoint.metadata_check import check_metadata
 from elastic_rt.checkpoint.safe_pickle import load_metadata
-from elastic_rt.checkpoint.storage import FsspecStorage, translate_error
+from elastic_rt.checkpoint.storage import NOT_A_FILE, FsspecStorage, translate_error
 from elastic_rt.checkpoint.verified_read import VerifyingReader
 from elastic_rt.errors import CheckpointMismatchError, CorruptShardError, ElasticError
 
@@ -184,12 +186,13 @@ class ChecksummingWriter(FsspecWriter):
     def __init__(self, storage: FsspecStorage, name: str, files: int) -> None:
         super().__init__(storage.url_of(name), sync_files=storage.is_local, thread_count=files,
                          overwrite=False, **storage.storage_options)
-        self.fs = _ChecksumFileSystem(storage.fs, is_local=storage.is_local)
+        self.checksums = _ChecksumFileSystem(storage.fs, is_local=storage.is_local)
+        self.fs = self.checksums  # type: ignore[assignment]  # DCP's own FileSystem type
         self.path = storage.path(name)
 
     @property
     def records(self) -> dict[str, FileEntry]:
-        return dict(self.fs.records)
+        return dict(self.checksums.records)
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
@@ -209,12 +212,12 @@ def write_shards(tensors: dict[str, torch.Tensor], storage: FsspecStorage, name:
     """
     total = sum(_local_bytes(t) for t in tensors.values())
     writer = ChecksummingWriter(storage, name, files_per_rank(storage, total))
-    with _unwrapped(storage.url_of(name)), _progress(writer.fs, storage.url_of(name), total):
+    with _unwrapped(storage.url_of(name)), _progress(writer.checksums, storage.url_of(name), total):
         dcp.save(tensors, storage_writer=writer, process_group=group,
                  planner=DefaultSavePlanner(flatten_state_dict=False),
                  no_dist=group is None and not _dist_ready())
-    if writer.fs.failures:  # DCP finished without the files its extra threads failed
-        raise translate_error(writer.fs.failures[0], storage.url_of(name))
+    if writer.checksums.failures:  # DCP finished without the files its extra threads failed
+        raise translate_error(writer.checksums.failures[0], storage.url_of(name))
     return writer.records
 
 
@@ -239,53 +242,67 @@ def _progress(fs: _ChecksumFileSystem, url: str, total: int,
         thread.join()
 
 
-def read_shards(tensors: dict[str, torch.Tensor], storage: FsspecStorage, manifest: Manifest,
-                metadata: Metadata, group: dist.ProcessGroup | None) -> None:
+def read_shards(tensors: dict[str, torch.Tensor], storage: FsspecStorage, header: Header,
+                group: dist.ProcessGroup | None) -> None:
     """Load the checkpoint into ``tensors`` in place, resharding as needed; collective.
 
-    ``metadata`` comes from :func:`read_header`, checked with :func:`check_fits`.
+    ``header`` comes from :func:`read_header`, checked with :func:`check_fits`.
 
     Raises:
         CorruptShardError: a file is missing, fails its check, or holds a pickle.
     """
-    reader = VerifyingReader(storage, manifest, metadata)
-    with _unwrapped(storage.url_of(manifest.name)):
+    reader = VerifyingReader(storage, header.manifest, header.metadata, header.sizes)
+    with _unwrapped(storage.url_of(header.manifest.name)):
         dcp.load(tensors, storage_reader=reader, process_group=group,
                  planner=_SafeLoadPlanner(flatten_state_dict=False),
                  no_dist=group is None and not _dist_ready())
 
 
-def read_header(storage: FsspecStorage, name: str) -> tuple[Manifest, Metadata] | None:
-    """The manifest and DCP's ``.metadata`` (checked against it, read through the
-    allow-list); None when there is no manifest (a save that never committed).
+@dataclass(frozen=True)
+class Header:
+    """What a load reads before any tensor: the manifest, DCP's ``.metadata`` (both
+    checked) and, on an object store, the folder's object sizes (one listing), so a
+    longer or shorter object is caught before its bytes are read, as ``verify`` does."""
 
-    Both are requested at once: on an object store the second costs no extra round
-    trip before the first data byte.
+    manifest: Manifest
+    metadata: Metadata
+    sizes: dict[str, int] | None
+
+
+def read_header(storage: FsspecStorage, name: str) -> Header | None:
+    """The checked :class:`Header` of ``name``; None when it has no manifest (a save
+    that never committed).
+
+    The reads are requested at once: on an object store they cost one round trip.
 
     Raises:
-        CorruptShardError: the manifest is unreadable, or ``.metadata`` is missing or
-            fails its check.
+        CorruptShardError: the manifest is invalid, or ``.metadata`` is missing, fails
+            its check, or does not match the manifest (:mod:`.metadata_check`).
     """
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-header") as pool:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-header") as pool:
         pending = pool.submit(_read_or_none, storage, f"{name}/{METADATA_FILE}")
+        listing = None if storage.is_local else pool.submit(storage.list_files, name)
         manifest = read_manifest(storage, name, missing_ok=True)
         data = pending.result()
+        sizes = None if listing is None else listing.result()
     if manifest is None:
         return None
     source = storage.url_of(f"{name}/{METADATA_FILE}")
     expected = {f.path: f for f in manifest.files}.get(METADATA_FILE)
     if data is None:
-        raise CorruptShardError(f"{source} is missing")
+        raise CorruptShardError(f"{source} is missing or not a file")
     if expected is None or (len(data), checksum_of(data, expected.checksum)) != (
             expected.size, expected.checksum):
         raise CorruptShardError(f"{source} fails its check against the manifest")
-    return manifest, load_metadata(data, source)
+    metadata = load_metadata(data, source)
+    check_metadata(metadata, manifest, source)
+    return Header(manifest, metadata, sizes)
 
 
 def _read_or_none(storage: FsspecStorage, rel: str) -> bytes | None:
     try:
         return storage.read_bytes(rel, nonempty=True)  # DCP never writes it empty
-    except FileNotFoundError:
+    except NOT_A_FILE:
         return None
 
 

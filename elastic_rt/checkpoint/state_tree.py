@@ -146,23 +146,44 @@ def encode(value: Any, key: str) -> Any:
 
 
 def decode(value: Any) -> Any:
-    """Inverse of :func:`encode`."""
-    if not isinstance(value, dict):
+    """Inverse of :func:`encode`.
+
+    Raises:
+        ValueError: ``value`` is not something :func:`encode` writes.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    kind, inner = value.get("t"), value.get("v")
-    if kind == "list":
-        return [decode(v) for v in inner]
-    if kind == "tuple":
-        return tuple(decode(v) for v in inner)
-    if kind == "dict":
-        return {_hashable(decode(k)): decode(v) for k, v in inner}
-    if kind == "dtype" and isinstance(getattr(torch, str(inner), None), torch.dtype):
-        return getattr(torch, inner)
-    raise ValueError(f"unknown tagged value {value!r}")
+    if not isinstance(value, dict) or set(value) != {"t", "v"}:
+        raise ValueError(f"{str(value)[:60]} is not a tagged value")
+    kind, inner = value["t"], value["v"]
+    if kind in ("list", "tuple") and isinstance(inner, list):
+        items = [decode(v) for v in inner]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict" and isinstance(inner, list):
+        return dict(_pair(p) for p in inner)
+    dtype = getattr(torch, inner, None) if kind == "dtype" and isinstance(inner, str) else None
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    raise ValueError(f"unknown tagged value {str(value)[:60]}")
 
 
-def _hashable(key: Any) -> Any:
-    return tuple(key) if isinstance(key, list) else key
+def _pair(pair: Any) -> tuple[Any, Any]:
+    if not (isinstance(pair, list) and len(pair) == 2):
+        raise ValueError(f"dict entry {str(pair)[:60]} is not a [key, value] pair")
+    key = decode(pair[0])
+    try:
+        hash(key)
+    except TypeError:
+        raise ValueError(f"dict key {str(key)[:60]} is not hashable") from None
+    return key, decode(pair[1])
+
+
+def check_encoded(value: Any, key: str) -> None:
+    """Raise ValueError naming ``key`` unless ``value`` decodes (see :func:`decode`)."""
+    try:
+        decode(value)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"objects entry {key!r}: {exc}") from None
 
 
 def encode_objects(objects: Mapping[str, Any]) -> dict[str, Any]:

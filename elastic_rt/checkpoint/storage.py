@@ -14,6 +14,7 @@ the object in one request. Not guaranteed: atomic directory operations.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import posixpath
@@ -26,8 +27,10 @@ from fsspec.core import url_to_fs
 
 from elastic_rt.errors import (
     CheckpointError,
+    CheckpointLocationError,
     CredentialsError,
     ElasticError,
+    StorageUnreachableError,
     UnknownURLSchemeError,
 )
 
@@ -40,6 +43,12 @@ SCHEMES = ("file", "local", "memory", "s3", "s3a")
 
 RETRIES = 4
 """Attempts of an idempotent storage call before a transient error is raised."""
+
+NOT_A_FILE = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+"""What a read of a path that is missing, or is a folder, raises: the caller's to
+interpret (for a checkpoint file: damage), never a storage failure."""
+
+_DRIVER_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3")
 
 _CREDENTIAL_CODES = frozenset(
     {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
@@ -60,6 +69,8 @@ class Storage(Protocol):
     def url_of(self, rel: str) -> str: ...
     def list_dirs(self) -> list[str]: ...
     def list_files(self, rel: str) -> dict[str, int]: ...
+    def check_location(self, *, allow_new_run: bool) -> None: ...
+    def last_change(self, rel: str) -> float | None: ...
     def exists(self, rel: str) -> bool: ...
     def read_bytes(self, rel: str, nonempty: bool = False) -> bytes: ...
     def write_bytes(self, rel: str, data: bytes) -> None: ...
@@ -108,6 +119,7 @@ class FsspecStorage:
             ) from exc
         self.root = root.rstrip("/") or "/"
         self.is_local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
+        self.is_memory = scheme == "memory"
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
@@ -132,6 +144,70 @@ class FsspecStorage:
         return {posixpath.basename(e["name"]): int(e.get("size") or 0) for e in entries
                 if e.get("type") == "file"}
 
+    def check_location(self, *, allow_new_run: bool) -> None:
+        """Make sure the root exists before anything reads "no checkpoints" from it.
+
+        A local root must be a folder; with ``allow_new_run`` a missing one whose
+        parent exists counts as a new, empty run (the first save makes it). An S3 bucket must
+        exist (prefixes are implicit: a prefix with nothing under it is an empty
+        location). Few attempts (:meth:`_probe_fs`), no retries of ours: this runs at
+        start-up, where a wrong endpoint should fail in seconds.
+
+        Raises:
+            CheckpointLocationError: the folder or bucket does not exist.
+            StorageUnreachableError: the endpoint does not answer.
+            CredentialsError: storage refused the credentials.
+        """
+        try:
+            if self.is_local:
+                self._check_local(allow_new_run)
+            elif not self.is_memory:
+                self._probe_fs().info(self.root.split("/", 1)[0])  # the bucket, or raises
+        except ElasticError:
+            raise
+        except FileNotFoundError as exc:
+            raise CheckpointLocationError(
+                f"the bucket of checkpoint URL {self.url} does not exist",
+                "Create the bucket, or fix the bucket name or endpoint_url.") from exc
+        except Exception as exc:  # the seam: fsspec/botocore errors land here
+            if is_transient(exc):
+                raise StorageUnreachableError(
+                    f"checkpoint storage for {self.url} cannot be reached ({_describe(exc)})",
+                    "Check the endpoint_url storage option and the network.") from exc
+            raise translate_error(exc, self.url) from exc
+
+    def _probe_fs(self) -> Any:
+        """The object store client with botocore's retries cut to two attempts (unless
+        the options set them): a wrong endpoint fails in about a second, not fourteen."""
+        options = dict(self.storage_options)
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
+        options.update(config_kwargs=config)
+        return url_to_fs(self.url, **options)[0]
+
+    def _check_local(self, allow_new_run: bool) -> None:
+        if os.path.isdir(self.root):
+            return
+        if os.path.exists(self.root):
+            raise CheckpointLocationError(f"checkpoint path {self.root} is a file, not a folder",
+                                          "Point the checkpoint URL at a folder.")
+        if allow_new_run and os.path.isdir(os.path.dirname(self.root)):
+            return
+        raise CheckpointLocationError(f"checkpoint folder {self.root} does not exist",
+                                      f"Create it (mkdir -p {self.root}) or fix the path.")
+
+    def last_change(self, rel: str) -> float | None:
+        """When anything in folder ``rel`` last changed (epoch seconds), None if it is
+        missing. A local folder's own time counts (a writer that only made it)."""
+        entries = self._call(self._ls, rel)
+        times = [_modified(e) for e in entries]
+        if self.is_local:
+            try:
+                times.append(os.stat(self.path(rel)).st_mtime)
+            except FileNotFoundError:
+                pass
+        return max(times) if times else None
+
     def exists(self, rel: str) -> bool:
         return bool(self._call(self.fs.exists, self.path(rel)))
 
@@ -141,10 +217,14 @@ class FsspecStorage:
         ``nonempty``, when the caller knows the file is not empty, saves an object store
         the HEAD request s3fs makes to learn the size: the object is fetched with one
         GET of the range "from byte 0" (still all of it, so a size check stays exact;
-        an empty object would answer that range with an error).
+        an empty object answers that range with InvalidRange, and is then read plainly).
         """
         if nonempty:
-            return self._call(self.fs.cat_file, self.path(rel), start=0)
+            try:
+                return self._call(self.fs.cat_file, self.path(rel), start=0)
+            except CheckpointError as exc:
+                if not any(_error_code(err) == "InvalidRange" for err in _chain(exc)):
+                    raise  # else it is empty after all (damage): read it plainly
         return self._call(self.fs.cat_file, self.path(rel))
 
     def write_bytes(self, rel: str, data: bytes) -> None:
@@ -183,6 +263,24 @@ class FsspecStorage:
         return call_with_retries(fn, *args, url=self.url, **kwargs)
 
 
+def _modified(entry: dict[str, Any]) -> float:
+    """An ls entry's modification time; unknown counts as now (never stale)."""
+    for key in ("mtime", "LastModified", "created"):
+        value = entry.get(key)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+    return time.time()
+
+
+def quiet_drivers() -> None:
+    """Keep the storage drivers' INFO chatter ("Found credentials in environment
+    variables.") out of a command's output; their warnings still show."""
+    for name in _DRIVER_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _fsync_dir(path: str) -> None:
     """Make a rename durable: fsync the folder that holds it."""
     fd = os.open(path, os.O_RDONLY)
@@ -197,13 +295,14 @@ def call_with_retries(fn: Callable[..., T], *args: Any, url: str, **kwargs: Any)
 
     Raises:
         CredentialsError: storage refused or found no credentials.
-        FileNotFoundError: the path is missing (callers decide what that means).
+        FileNotFoundError, IsADirectoryError, NotADirectoryError: the path is missing
+            or not a file (:data:`NOT_A_FILE`; callers decide what that means).
         CheckpointError: any other storage failure, after the retries.
     """
     for attempt in range(RETRIES):
         try:
             return fn(*args, **kwargs)
-        except FileNotFoundError:
+        except NOT_A_FILE:
             raise
         except Exception as exc:  # the seam: everything from fsspec/botocore lands here
             error = translate_error(exc, url)

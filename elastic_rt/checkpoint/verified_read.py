@@ -2,29 +2,32 @@
 
 DCP hands the reader a load plan: which byte ranges of which files go into which
 tensors. We read every file it touches front to back exactly once, hashing every
-byte and checking size and checksum against the manifest at the end, so damage
-anywhere in a file is caught even when only part of it is needed.
+byte and checking size and checksum against the manifest, so damage anywhere in a
+file is caught even when only part of it is needed (see the note for when).
 
 Reading runs on reader threads (one file at a time each) while the caller's thread
 decodes the items that have arrived and copies them into the model, so I/O, hashing
 and copying overlap -- all three release the GIL.
 
 * A local file is memory-mapped: items are views of the page cache, so the bytes are
-  touched twice (hash, copy into the model) where plain DCP copies them twice and
-  reads them once. One reader thread, one sequential stream.
+  touched twice (hash, then copy into the model) where plain DCP copies them twice
+  and reads them once. One reader thread, one sequential stream.
 * An object store gets one reader per file DCP wrote per rank, because one S3
   stream is slow and several in parallel are how S3 reaches its throughput. Each
-  file is fetched in ranged GETs of whole runs of items (no HEAD: the manifest
-  has the size; no file object and its cache copies), and items are views of the
-  fetched bytes. At most ``BUFFER_BUDGET`` bytes wait to be copied in.
+  file is fetched in ranged GETs of whole runs of items (no HEAD: one listing of
+  the folder has every size; no file object and its cache copies), and items are
+  views of the fetched bytes. At most ``BUFFER_BUDGET`` bytes wait to be copied in.
 
 Tensor items are decoded in place (:mod:`.tensor_file`); pickled (``BYTE_IO``)
 items are refused.
 
 Note:
-    A file that fails its check is detected after its items were copied in, so a
-    failed load leaves ``state`` partly overwritten; the caller's fallback load
-    overwrites it again.
+    A local file is checked whole (one hash pass over the page cache, which the copy
+    then reads again) before any of its items is handed out, so damaged bytes never
+    reach the model. An object-store file's size is checked before it is read (from
+    one listing of the folder, as ``verify`` sees it), but its checksum only as it
+    streams: a failed check may come after some of its items were copied in. The
+    load then fails and the caller's fallback load overwrites them.
 """
 
 from __future__ import annotations
@@ -49,7 +52,12 @@ from torch.futures import Future as TorchFuture
 
 from elastic_rt.checkpoint.checksum import Hasher, hasher_like
 from elastic_rt.checkpoint.manifest import FileEntry, Manifest
-from elastic_rt.checkpoint.storage import FsspecStorage, call_with_retries, translate_error
+from elastic_rt.checkpoint.storage import (
+    NOT_A_FILE,
+    FsspecStorage,
+    call_with_retries,
+    translate_error,
+)
 from elastic_rt.checkpoint.tensor_file import decode_in_place
 from elastic_rt.errors import CorruptShardError
 
@@ -111,13 +119,15 @@ class _ByteBudget:
 class VerifyingReader(FsspecReader):
     """Reads one checkpoint for ``dcp.load`` (see the module docstring)."""
 
-    def __init__(self, storage: FsspecStorage, manifest: Manifest, metadata: Metadata) -> None:
+    def __init__(self, storage: FsspecStorage, manifest: Manifest, metadata: Metadata,
+                 sizes: dict[str, int] | None) -> None:
         super().__init__(storage.url_of(manifest.name), **storage.storage_options)
         self._storage = storage
         self.path = storage.path(manifest.name)
         self._url = storage.url_of(manifest.name)
         self._metadata = metadata
         self._expected = {f.path: f for f in manifest.files}
+        self._sizes = sizes
 
     def read_metadata(self) -> Metadata:
         if self._metadata.storage_meta is None:
@@ -129,7 +139,7 @@ class VerifyingReader(FsspecReader):
         jobs = self._jobs(plan)
         if jobs:
             readers = 1 if self._storage.is_local else min(OBJECT_STORE_READERS, len(jobs))
-            _Pipeline(self._storage, jobs, readers).run(
+            _Pipeline(self._storage, jobs, readers, self._sizes).run(
                 lambda job, item, data: self._load_item(item, data, planner, job.source))
         future: TorchFuture[None] = TorchFuture()
         future.set_result(None)
@@ -157,9 +167,7 @@ class VerifyingReader(FsspecReader):
         if item.type == LoadItemType.BYTE_IO:
             raise CorruptShardError(f"{source} holds a pickled object for {item.dest_index.fqn!r};"
                                     " it was refused")
-        tensor = decode_in_place(data)
-        if tensor is None:
-            tensor = _load_weights_only(data, source, item.dest_index.fqn)
+        tensor = decode_item(data, source, item.dest_index.fqn)
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
@@ -172,8 +180,10 @@ class VerifyingReader(FsspecReader):
 class _Pipeline:
     """Reader threads feeding items to the caller's thread (see the module docstring)."""
 
-    def __init__(self, storage: FsspecStorage, jobs: list[_FileJob], readers: int) -> None:
+    def __init__(self, storage: FsspecStorage, jobs: list[_FileJob], readers: int,
+                 sizes: dict[str, int] | None) -> None:
         self._storage = storage
+        self._sizes = sizes
         self._jobs = jobs
         self._readers = readers
         self._cancel = threading.Event()
@@ -233,8 +243,8 @@ class _Pipeline:
             self._read_file(job)
         except _Cancelled:
             return
-        except FileNotFoundError:
-            outcome = CorruptShardError(f"{job.source} is missing")
+        except NOT_A_FILE:
+            outcome = CorruptShardError(f"{job.source} is missing or not a file")
         except CorruptShardError as exc:
             outcome = exc
         except Exception as exc:  # the seam: storage errors of any client library
@@ -244,36 +254,34 @@ class _Pipeline:
     def _read_file(self, job: _FileJob) -> None:
         hasher = hasher_like(job.expected.checksum)
         if self._storage.is_local:
-            size = self._read_mapped(job, hasher)
-        else:
-            size = self._read_streamed(job, hasher)
-        checksum = hasher.value()
-        if (size, checksum) != (job.expected.size, job.expected.checksum):
-            raise CorruptShardError(
-                f"{job.source} fails its check: {size} bytes with checksum {checksum}, the "
-                f"manifest says {job.expected.size} bytes with {job.expected.checksum}")
+            self._read_mapped(job, hasher)
+            return
+        listed = job.expected.size if self._sizes is None else self._sizes.get(job.rel)
+        if listed is None:
+            raise CorruptShardError(f"{job.source} is missing or not a file")
+        _check(job, listed, None)
+        _check(job, self._read_streamed(job, hasher), hasher.value())
 
-    def _read_mapped(self, job: _FileJob, hasher: Hasher) -> int:
-        """A local file is mapped, not read: items are views of the page cache, and
-        the only pass over the bytes besides the hash is the copy into the model."""
+    def _read_mapped(self, job: _FileJob, hasher: Hasher) -> None:
+        """A local file is mapped, not read, and checked whole before its items (views
+        of the page cache) are handed out: the copy into the model is the only other
+        pass over its bytes."""
         with open(job.path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
-            if size != job.expected.size or size == 0:
-                return size  # the check fails (or an empty file has nothing to map)
+            _check(job, size, None)
+            if size == 0:
+                _check(job, size, hasher.value())
+                return
             # Copy-on-write, so views are writable for torch.frombuffer; nothing writes.
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
         mapped.madvise(mmap.MADV_SEQUENTIAL)
         whole = memoryview(mapped)
-        done = 0
+        hasher.update(whole)
+        _check(job, size, hasher.value())
         for item, offset, length in job.items:
             if self._cancel.is_set():
                 raise _Cancelled()
-            end = min(offset + length, size)
-            hasher.update(whole[done:end])
-            done = max(done, end)
-            self._arrivals.put(("item", job, item, whole[offset:end], 0))
-        hasher.update(whole[done:])
-        return size
+            self._arrivals.put(("item", job, item, whole[offset:min(offset + length, size)], 0))
 
     def _read_streamed(self, job: _FileJob, hasher: Hasher) -> int:
         """An object is fetched in ranged GETs of whole items (no HEAD, no file object
@@ -326,6 +334,16 @@ class _Pipeline:
         return translate_error(exc, self._storage.url)
 
 
+def _check(job: _FileJob, size: int, checksum: str | None) -> None:
+    """Raise CorruptShardError unless ``size`` (and ``checksum``, if given) match the
+    manifest's."""
+    if size == job.expected.size and checksum in (None, job.expected.checksum):
+        return
+    found = f"{size} bytes" + (f" with checksum {checksum}" if checksum else "")
+    wanted = f"{job.expected.size} bytes" + (f" with {job.expected.checksum}" if checksum else "")
+    raise CorruptShardError(f"{job.source} fails its check: {found}, the manifest says {wanted}")
+
+
 def _segments(items: list[tuple[ReadItem, int, int]]) -> list[list[tuple[ReadItem, int, int]]]:
     """Runs of adjacent items, each run at most ``SEGMENT_BYTES`` (or one larger item)."""
     runs: list[list[tuple[ReadItem, int, int]]] = []
@@ -339,15 +357,25 @@ def _segments(items: list[tuple[ReadItem, int, int]]) -> list[list[tuple[ReadIte
     return runs
 
 
+def decode_item(data: memoryview, source: str, fqn: str) -> torch.Tensor:
+    """One DCP tensor item as a tensor, never running code from it.
+
+    Raises:
+        CorruptShardError: the item is not a plain tensor.
+    """
+    tensor = decode_in_place(data)
+    return tensor if tensor is not None else _load_weights_only(data, source, fqn)
+
+
 def _load_weights_only(data: memoryview, source: str, fqn: str) -> torch.Tensor:
     """The slow, general path: ``torch.load`` with torch's own restricted unpickler."""
     try:
         tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # weights_only refused it, or it is not a tensor file
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]  # torch's run long
         raise CorruptShardError(f"{source} has an item for {fqn!r} that is not a plain "
-                                f"tensor and was refused: {exc}") from exc
+                                f"tensor and was refused: {reason}") from exc
     if not isinstance(tensor, torch.Tensor):
         raise CorruptShardError(f"{source} has a {type(tensor).__name__} for {fqn!r}, "
                                 "not a tensor")
     return tensor
-

@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
 # gRPC's core logs an INFO line at every fork (the agent forks workers); keep errors only.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -25,7 +25,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import etcd3  # noqa: E402 - after the gRPC setting above
-import etcd3.watch
+import etcd3.watch  # noqa: E402
 from etcd3 import etcdrpc  # noqa: E402
 import grpc  # noqa: E402
 import six  # noqa: E402
@@ -184,8 +184,10 @@ class EtcdKV:
     def _translate(self, exc: BaseException, what: str) -> ElasticError:
         """One line that names the cause, for a gRPC error or an etcd3 wrapper of one."""
         rpc = exc if isinstance(exc, grpc.RpcError) else exc.__context__
-        code = rpc.code() if isinstance(rpc, grpc.RpcError) and hasattr(rpc, "code") else None
-        details = (rpc.details() or "") if code is not None else str(exc)
+        has_code = isinstance(rpc, grpc.RpcError) and hasattr(rpc, "code")
+        call = cast(grpc.Call, rpc) if has_code else None
+        code = call.code() if call is not None else None
+        details = (call.details() or "") if call is not None and code is not None else str(exc)
         short = _short(details)
         user = self._auth.user
         refused = self._tls_refusal(details) if "handshake failed" in details.lower() else None
@@ -342,7 +344,7 @@ def _channel_credentials(auth: EtcdAuth) -> grpc.ChannelCredentials:
     """TLS credentials from the PEM files; no CA file means the system's CA bundle."""
     if bool(auth.cert) != bool(auth.key):
         raise ConfigError("--etcd-cert and --etcd-key go together", "Pass both or neither.")
-    contents = {}
+    contents: dict[str, bytes | None] = {}
     files = (("--etcd-cacert", auth.cacert), ("--etcd-cert", auth.cert), ("--etcd-key", auth.key))
     for flag, path in files:
         if path is None:

@@ -10,8 +10,10 @@ When the store answers again, the node registers afresh on a new lease.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from datetime import timedelta
 from typing import Callable
 
 from elastic_rt.errors import CredentialsError, StoreError
@@ -22,12 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
-    """Registers ``info`` under a lease of ``ttl`` seconds and keeps it alive.
+    """Registers ``info`` under a lease of ``ttl`` and keeps it alive.
 
     Args:
         registry: the run's keys.
         info: this node's record.
-        ttl: lease time-to-live in whole seconds.
+        ttl: lease time-to-live; etcd grants whole seconds, so a fraction rounds up.
         on_fenced: called from the keeper thread when renewal has failed for
             ``ttl - margin`` seconds, or the lease was found expired.
         on_registered: called after each (re-)registration with the new lease id.
@@ -37,15 +39,15 @@ class LeaseKeeper:
         self,
         registry: RunRegistry,
         info: NodeInfo,
-        ttl: int,
+        ttl: timedelta,
         *,
         on_fenced: Callable[[str], None],
         on_registered: Callable[[int], None] | None = None,
     ) -> None:
         self.registry = registry
         self.info = info
-        self.ttl = ttl
-        self.margin = min(1.0, ttl / 3)
+        self.ttl = ttl.total_seconds()
+        self.margin = min(1.0, self.ttl / 3)
         self.on_fenced = on_fenced
         self.on_registered = on_registered
         self.lease_id: int | None = None
@@ -60,7 +62,7 @@ class LeaseKeeper:
         self._thread.start()
 
     def _register(self) -> None:
-        self.lease_id = self.registry.kv.grant_lease(self.ttl)
+        self.lease_id = self.registry.kv.grant_lease(max(1, math.ceil(self.ttl)))
         self.registry.register(self.info, self.lease_id)
         self._last_renewed = time.monotonic()
         self.is_fenced = False
@@ -83,7 +85,8 @@ class LeaseKeeper:
             except (StoreError, CredentialsError) as exc:
                 # Refused credentials (a revoked role) fence like a lost connection.
                 logger.debug("lease renewal failed: %s", exc)
-                if not self.is_fenced and time.monotonic() - self._last_renewed > self.ttl - self.margin:
+                silent = time.monotonic() - self._last_renewed
+                if not self.is_fenced and silent > self.ttl - self.margin:
                     self._fence(f"could not renew the lease for {self.ttl - self.margin:.1f} s")
             except Exception:  # noqa: BLE001 - thread boundary: log, keep the node fenced-safe
                 logger.exception("lease keeper error")

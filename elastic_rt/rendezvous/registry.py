@@ -72,7 +72,8 @@ class RunRegistry:
         closed = items.get("closed")
         alarm = items.get("alarm")
         return Snapshot(
-            round=Round.from_json(round_kv.value, token=round_kv.mod_revision) if round_kv else None,
+            round=(Round.from_json(round_kv.value, token=round_kv.mod_revision)
+                   if round_kv else None),
             nodes=nodes,
             closed=closed.value.decode() if closed else None,
             completing="completing" in items,

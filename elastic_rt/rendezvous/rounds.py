@@ -200,7 +200,8 @@ def decide(
             f"{len(members)} of at least {limits.min_nodes} nodes left",
             stop_workers=i_am_member,
         )
-    reason = f"lost {','.join(lost)}" if lost else f"admitting {','.join(n.node_id for n in waiting)}"
+    admitting = ",".join(n.node_id for n in waiting)
+    reason = f"lost {','.join(lost)}" if lost else f"admitting {admitting}"
     return Propose(
         _make_round(current.number + 1, members, snapshot.nodes, reason, now_ms),
         expected_token=current.token,

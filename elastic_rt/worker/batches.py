@@ -17,7 +17,7 @@ refuses them with the alternative.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
@@ -66,6 +66,14 @@ def check_dataset(dataset: Any) -> None:
         )
 
 
+class MapDataset(Protocol):
+    """What the loop can train on: ``len`` and ``dataset[i]`` (a torch ``Dataset``, a list)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
 class _IndexStream:
     """The loader's ``batch_sampler``: the sampler's micro-batches as of the last reset."""
 
@@ -85,7 +93,7 @@ class BatchSource:
         options: the loader's settings.
     """
 
-    def __init__(self, dataset: Sequence[Any], sampler: ElasticSampler,
+    def __init__(self, dataset: MapDataset, sampler: ElasticSampler,
                  options: LoaderOptions) -> None:
         check_dataset(dataset)
         self.sampler = sampler

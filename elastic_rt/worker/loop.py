@@ -54,18 +54,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from elastic_rt.checkpoint import Checkpointer
-from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV, WorkerEnv
+from elastic_rt.config import DEFAULT_REFORM_TIMEOUT, WorkerEnv
 from elastic_rt.errors import (
     CheckpointError,
     ConfigError,
@@ -83,7 +82,8 @@ from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.worker.batches import BatchSource, LoaderOptions, check_dataset
+from elastic_rt.worker.allocator import pin_mmap_threshold
+from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
 from elastic_rt.worker.replicated import StepFn, StepOptions
@@ -117,7 +117,7 @@ def run(
     *,
     build: BuildFn,
     step: StepFn | None,
-    dataset: Sequence[Any],
+    dataset: MapDataset,
     global_batch_size: int,
     max_steps: int,
     checkpoint: Checkpointer | None = None,
@@ -125,7 +125,7 @@ def run(
     micro_batch_size: int | None = None,
     limits: ModelLimits = ModelLimits(),
     max_failed_steps: int = 3,
-    reform_timeout: timedelta = timedelta(seconds=120),
+    reform_timeout: timedelta = DEFAULT_REFORM_TIMEOUT,
     collate: Callable[[list[Any]], Any] = default_collate,
     loader: LoaderOptions | None = None,
     grad_sync: GradSync = GradSync(),
@@ -179,6 +179,7 @@ def run(
             "Apply autocast and clipping inside the object's step(), or pass a step function.",
         )
     check_dataset(dataset)
+    pin_mmap_threshold()  # a steady heap over a long run; see worker/allocator.py
     sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
                              micro_batch_size=micro_batch_size)
     options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
@@ -485,7 +486,4 @@ def _collective_timeout(env: WorkerEnv) -> timedelta:
     Joining a round has its own, longer timeout (a new node may still be starting).
     Override with ``ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC``.
     """
-    explicit = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
-    if explicit:
-        return timedelta(seconds=float(explicit))
-    return env.lease_ttl
+    return env.collective_timeout or env.lease_ttl

@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 
 from elastic_rt.checkpoint import Checkpointer
 from elastic_rt.etcd_server import free_port
+from elastic_rt.harness import ProcessLedger, wait_until
 
 TENSOR_MIB = 8
 ROWS = TENSOR_MIB * (1 << 20) // 4 // 1024  # rows of 1024 float32 per tensor
@@ -151,23 +151,24 @@ class MotoServer:
         binary = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable),
                                                              "moto_server")
         port = self.endpoint.rsplit(":", 1)[1]
-        self.proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", port],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)  # poll until the port answers
+        self._ledger = ProcessLedger()
+        self._ledger.start([binary, "-H", "127.0.0.1", "-p", port])
+        wait_until(lambda: _answers(self.endpoint), 30, f"moto_server on {self.endpoint}")
         import boto3
 
         boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket="bench")
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, 9)
-        self.proc.wait(timeout=10)
+        self._ledger.close()
+
+
+def _answers(url: str) -> bool:
+    """Whether a server answers ``url`` yet."""
+    try:
+        urllib.request.urlopen(url, timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 # -- report ------------------------------------------------------------------------------

@@ -38,9 +38,10 @@ import time
 import uuid
 from pathlib import Path
 
-from _common import PYTHON, REPO, Procs, env_with_repo, fmt, interruptible, median, table
+from _common import fmt, interruptible, median, table
 
 from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env
 
 SCRIPT = str(REPO / "scripts" / "bench" / "steady_train.py")
 CASES = {
@@ -82,9 +83,9 @@ def run_once(loop: str, case: str, args: argparse.Namespace, etcd: EtcdServer,
 
 
 def _run(command: list[str], log: Path, timeout: float) -> None:
-    procs = Procs()
+    procs = ProcessLedger()
     try:
-        proc = procs.start(command, env=env_with_repo(OMP_NUM_THREADS="1"), log=log)
+        proc = procs.start(command, env=child_env(OMP_NUM_THREADS="1"), log=log)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

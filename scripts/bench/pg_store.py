@@ -38,7 +38,7 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=10))
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-    tcp_set = timed(lambda i: client.set(f"k{i}", b"x" * 64))
+    tcp_set = timed(lambda i: client.set(f"k{i}", "x" * 64))
     tcp_get = timed(lambda i: client.get(f"k{i}"))
     with EtcdServer() as server:
         kv = EtcdKV(server.endpoint)

@@ -69,21 +69,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
-from _common import (
-    PYTHON,
-    REPO,
-    JsonLines,
-    Procs,
-    env_with_repo,
-    fmt,
-    interruptible,
-    median,
-    table,
-    wait_for,
-)
+from _common import JsonLines, fmt, interruptible, median, table
 
 from elastic_rt.etcd_server import EtcdServer, free_port
+from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env, wait_until
 
 ELASTIC_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
 TORCHRUN_SCRIPT = str(REPO / "scripts" / "examples" / "torchrun_ddp.py")
@@ -91,6 +82,8 @@ NODES = ("a", "b", "c")
 VICTIM = "c"
 FAST_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,close_timeout=1"
 FAST_MONITOR = 0.1
+_POLL_S = 0.02  # how often waits look at the progress files (recovery times are in 0.1 s)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -113,7 +106,8 @@ def cases(args: argparse.Namespace) -> dict[str, Case]:
         Case("inproc-worker", "elastic", True, "worker-kill", "<= 1.5 s"),
         Case("restart-kill", "elastic", False, "node-kill", "<= 6 s"),
         Case("torchrun-default", "torchrun", False, "node-kill", "-"),
-        Case("torchrun-fast", "torchrun", False, "node-kill", "-", rdzv_conf=args.torchrun_fast_conf),
+        Case("torchrun-fast", "torchrun", False, "node-kill", "-",
+             rdzv_conf=args.torchrun_fast_conf),
         Case("inproc-join", "elastic", True, "join", "pause <= 1.5 s"),
         Case("restart-join", "elastic", False, "join", "-"),
     ]
@@ -151,14 +145,15 @@ def _rows(case: Case, tail: JsonLines) -> list[Row]:
         return [Row(e["timestamp_ms"] / 1000, e["step"], e["rank"], e["metadata"]["world_size"],
                     e["node"], e["round"], None)
                 for e in new if e.get("name") == "step.completed"]
-    return [Row(r["time"], r["step"], r["rank"], r["world_size"], None, None, r["pid"]) for r in new]
+    return [Row(r["time"], r["step"], r["rank"], r["world_size"], None, None, r["pid"])
+            for r in new]
 
 
 class Job:
     """One trial's three nodes."""
 
-    def __init__(self, case: Case, args: argparse.Namespace, procs: Procs, etcd: EtcdServer | None,
-                 work: Path) -> None:
+    def __init__(self, case: Case, args: argparse.Namespace, procs: ProcessLedger,
+                 etcd: EtcdServer | None, work: Path) -> None:
         self.case, self.args, self.procs, self.etcd, self.work = case, args, procs, etcd, work
         self.events = work / "events.jsonl"
         self.output = self.events if case.in_process else work / "progress.jsonl"
@@ -207,7 +202,7 @@ class Job:
 
     def _env(self) -> dict[str, str]:
         # elastic-rt's defaults throughout: the collective timeout follows the lease TTL.
-        return env_with_repo()
+        return child_env()
 
     def poll(self) -> list[Row]:
         new = _rows(self.case, self.tail)
@@ -221,13 +216,22 @@ class Job:
                 log = (self.work / f"{node}.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"node {node} exited with {proc.returncode}:\n{log}")
 
+    def _until(self, condition: Callable[[], T | None], timeout: float, what: str) -> T:
+        """:func:`wait_until`, but a node that exited unexpectedly fails the wait at once."""
+
+        def alive_and() -> T | None:
+            self._check_alive()
+            return condition()
+
+        return wait_until(alive_and, timeout, what, interval=_POLL_S)
+
     _faulted = False
 
     def run_trial(self) -> Trial:
         a = self.args
         self.start()
-        wait_for(lambda: self._check_alive() or max((r.step for r in self.poll()), default=0) >= a.kill_step,
-                 a.start_timeout, f"step {a.kill_step}")
+        self._until(lambda: max((r.step for r in self.poll()), default=0) >= a.kill_step,
+                    a.start_timeout, f"step {a.kill_step}")
         victim_tree = self.procs.tree(self.nodes[VICTIM]) if VICTIM in self.nodes else []
         old_pids = {p.pid for pid in self.nodes.values() for p in self.procs.tree(pid)}
         fault_round = max((r.round or 0) for r in self.poll())
@@ -243,14 +247,14 @@ class Job:
                 return r.node != VICTIM and (r.round or 0) > fault_round
             return r.pid not in old_pids
 
-        first = wait_for(lambda: self._check_alive() or next((r for r in self.poll() if recovered(r)), None),
-                         a.recover_timeout, "the survivors' next step")
+        first = self._until(lambda: next((r for r in self.poll() if recovered(r)), None),
+                            a.recover_timeout, "the survivors' next step")
         # The job must go on after recovery (a false eviction would show here).
-        wait_for(lambda: self._check_alive() or any(recovered(r) and r.step >= first.step + 3
-                                                    for r in self.poll()),
-                 a.recover_timeout, "3 more steps after recovery")
+        self._until(lambda: any(recovered(r) and r.step >= first.step + 3 for r in self.poll()),
+                    a.recover_timeout, "3 more steps after recovery")
         if self.case.fault == "node-hang":
             self.procs.signal_tree(self.nodes[VICTIM], signal.SIGCONT)
+
         def old(r: Row) -> bool:
             return (r.round or 0) <= fault_round if self.case.in_process else r.pid in old_pids
 
@@ -260,9 +264,9 @@ class Job:
         end = min(r.time for r in self.rows if recovered(r) and r.step >= first.step + 3)
         times = sorted({r.time for r in self.rows if stamp - 1 <= r.time <= end} | {stamp})
         pause = max((b - a for a, b in zip(times, times[1:])), default=None)
-        return Trial(recovery_s=first.time - stamp, steps_lost=max(0, last_before - (first.step - 1)),
-                     last_before=last_before, resumed_from=first.step - 1, victim_rank=victim_rank,
-                     pause_s=pause)
+        return Trial(recovery_s=first.time - stamp,
+                     steps_lost=max(0, last_before - (first.step - 1)), last_before=last_before,
+                     resumed_from=first.step - 1, victim_rank=victim_rank, pause_s=pause)
 
     def _is_victim(self, r: Row, victim_tree: list) -> bool:
         if self.case.in_process:
@@ -289,7 +293,7 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
     for i in range(repeats):
         work = root / f"{case.name}-{i}"
         work.mkdir(parents=True)
-        procs = Procs()
+        procs = ProcessLedger()
         began = time.monotonic()
         try:
             trial = Job(case, args, procs, etcd, work).run_trial()
@@ -308,7 +312,8 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
 
 
 def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
-    med = {n: median([t.recovery_s for t in ts if t.recovery_s is not None]) for n, ts in results.items()}
+    med = {n: median([t.recovery_s for t in ts if t.recovery_s is not None])
+           for n, ts in results.items()}
     default, fast = med.get("torchrun-default"), med.get("torchrun-fast")
 
     def ratio(base: float | None, value: float | None) -> str:
@@ -317,7 +322,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
     rows = []
     for name, trials in results.items():
         ok = [t for t in trials if t.recovery_s is not None]
-        times = [t.recovery_s for t in ok]
+        times = [t.recovery_s for t in ok if t.recovery_s is not None]
         lost = median([t.steps_lost for t in ok])
         pause = median([t.pause_s for t in ok if t.pause_s is not None])
         rows.append([
@@ -368,8 +373,8 @@ def main() -> int:
     print(f"recovery benchmark: 3 nodes x 1 gloo worker, fault on node {VICTIM} at step "
           f"{args.kill_step}, step time {args.step_time} s, checkpoint every {args.ckpt_every} "
           f"steps, elastic-rt --lease-ttl {args.lease_ttl}, torchrun-fast --rdzv-conf "
-          f"{args.torchrun_fast_conf} --monitor-interval {args.torchrun_fast_monitor}; load average {os.getloadavg()[0]:.1f}; logs in {root}",
-          flush=True)
+          f"{args.torchrun_fast_conf} --monitor-interval {args.torchrun_fast_monitor}; "
+          f"load average {os.getloadavg()[0]:.1f}; logs in {root}", flush=True)
     etcd = None
     results: dict[str, list[Trial]] = {}
     try:
@@ -378,7 +383,8 @@ def main() -> int:
                 etcd = EtcdServer()
                 etcd.start()
             for name in names:
-                n = max(1, min(repeats, args.slow_repeats)) if name == "torchrun-default" else repeats
+                slow = name == "torchrun-default"
+                n = max(1, min(repeats, args.slow_repeats)) if slow else repeats
                 results[name] = run_case(known[name], args, etcd, root, n)
     except KeyboardInterrupt:
         print("interrupted; everything started was killed", file=sys.stderr)
@@ -390,7 +396,8 @@ def main() -> int:
     if results:
         print()
         print(report(results, {n: known[n] for n in results}))
-    return 0 if results and all(t.recovery_s is not None for ts in results.values() for t in ts) else 1
+    measured = all(t.recovery_s is not None for ts in results.values() for t in ts)
+    return 0 if results and measured else 1
 
 
 if __name__ == "__main__":

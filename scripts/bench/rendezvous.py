@@ -12,7 +12,8 @@ calls each node sends to its store in that window, counted by a wrapper:
   state. Not counted: the 2 calls per node that share the bootstrap store address
   after the round (``RendezvousStoreInfo``).
 
-Two elastic-rt loops are measured: ``agent`` is what agents/agent.py does (wake
+Both elastic-rt loops run the agent's own decisions (agents/policy.py, through
+agents/simulated.py) and differ in when they wake. ``agent`` is what agents/agent.py does (wake
 only on writes that change a decision — for forming a round, the round key — and
 re-read at most once a second while in a round); ``any-write`` is the first
 design, kept for comparison (wake on any write under the run's prefix, a full
@@ -30,6 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -38,10 +40,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from agents.simulated import form_round
 from elastic_rt.etcd_server import EtcdServer
-from elastic_rt.testing import OpCounter, form_round
+from elastic_rt.testing import OpCounter
 
-LOOPS = {
+LOOPS: dict[str, dict[str, Any]] = {
     "agent": {"wake_on": "round", "member_poll": 1.0},
     "any-write": {},
 }

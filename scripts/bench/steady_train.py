@@ -96,7 +96,8 @@ def train_ddp(args: argparse.Namespace, times: list[float]) -> int:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     dataset = Samples(args.global_batch * 50, args.width, args.fetch_ms)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
+    sampler: DistributedSampler[object] = DistributedSampler(dataset, shuffle=True, seed=0,
+                                                             drop_last=True)
     loader = DataLoader(dataset, batch_size=args.global_batch // world, sampler=sampler,
                         drop_last=True, num_workers=args.num_workers,
                         persistent_workers=args.num_workers > 0)

@@ -80,7 +80,8 @@ def main() -> None:
             x = x[:, :-1]  # a user bug: the model's first layer gets the wrong width
         return torch.nn.functional.mse_loss(state.model(x), y)
 
-    checkpoint = ert.Checkpointer(args.checkpoint, every_steps=args.every) if args.checkpoint else None
+    checkpoint = (ert.Checkpointer(args.checkpoint, every_steps=args.every)
+                  if args.checkpoint else None)
     state = ert.run(
         build=build,
         step=train_step,

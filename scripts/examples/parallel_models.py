@@ -232,7 +232,8 @@ class DDPTrainer(_Trainable):
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.module(x)
+        module: torch.nn.Module = self.model.module  # type: ignore[assignment]
+        return module(x)
 
 
 class MeshTrainer(_Trainable):
@@ -305,6 +306,7 @@ class MeshTrainer(_Trainable):
         else:
             out.backward(self._recv(out.shape, self.coords.pp + 1))
         if not self.is_first:
+            assert inp.grad is not None, "the stage input requires grad"
             self._send(inp.grad, self.coords.pp - 1)
 
     def _send(self, tensor: torch.Tensor, stage: int) -> None:

@@ -22,7 +22,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--ckpt", default="/tmp/torchrun_ddp.pt")
     p.add_argument("--ckpt-every", type=int, default=5)
-    p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step (simulated compute)")
+    p.add_argument("--step-time", type=float, default=0.05,
+                   help="extra seconds per step (simulated compute)")
     p.add_argument("--progress", default=None)
     p.add_argument("--width", type=int, default=64)
     return p.parse_args()

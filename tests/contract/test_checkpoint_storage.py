@@ -61,7 +61,7 @@ def test_checkpoints_save_load_and_fall_back(backend: tuple[str, dict]) -> None:
     assert [(i.step, i.committed) for i in ckpt.list()] == [(2, True), (3, True)]
     newest = ckpt.list()[-1]
     ckpt._storage.write_bytes(f"{newest.name}/__0_0.distcp", b"damaged")
-    state = {"w": torch.zeros(64), "epoch": 0}
+    state: dict[str, Any] = {"w": torch.zeros(64), "epoch": 0}
     info = ckpt.load(state)
     assert (info.step, state["epoch"]) == (2, 2) and torch.all(state["w"] == 2.0)
     assert verify(url, options)[0] is False

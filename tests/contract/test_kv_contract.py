@@ -10,24 +10,17 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
 from elastic_rt.errors import StoreConnectionError
 from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.harness import wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KVStore
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 class KVStoreContract:

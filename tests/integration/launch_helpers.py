@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 from elastic_rt.events import Event, read_events
+from elastic_rt.harness import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 TORCHRUN_SCRIPT = str(REPO / "scripts" / "examples" / "torchrun_ddp.py")
 
 
@@ -37,13 +35,3 @@ def progress(path: Path) -> list[dict]:
 
 def events(path: Path) -> list[Event]:
     return list(read_events(str(path)))
-
-
-def agent_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("ELASTIC_RT_LOG_LEVEL", "INFO")
-    return env
-
-
-PYTHON = sys.executable

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -21,37 +20,28 @@ import psutil
 import pytest
 
 from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.harness import child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
-from tests.fixtures.processes import ProcessTree, wait_until
-from tests.integration.launch_helpers import (
-    TORCHRUN_SCRIPT,
-    agent_env,
-    events,
-    launch_args,
-    progress,
-)
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import TORCHRUN_SCRIPT, events, launch_args, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(180)]
 
 
 class Job:
-    """One run id's agents, their files, and every PID they ever started.
+    """One run id's agents, their files, and every process they ever started.
 
-    A thread records the agents' descendants every 50 ms, so workers of earlier
-    rounds are remembered too and :meth:`assert_nothing_left` can check each by
-    PID (and start time, against PID reuse).
+    Its own :class:`ProcessTree` samples the agents' descendants every 50 ms, so
+    workers of earlier rounds are remembered too and :meth:`assert_nothing_left`
+    can check each (by PID and start time, against PID reuse).
     """
 
-    def __init__(self, tree: ProcessTree, etcd: EtcdServer, run_id: str, tmp: Path, *,
+    def __init__(self, etcd: EtcdServer, run_id: str, tmp: Path, *,
                  nnodes: str, steps: int, step_time: float = 0.1) -> None:
-        self.tree, self.etcd, self.run_id, self.tmp = tree, etcd, run_id, tmp
+        self.etcd, self.run_id, self.tmp = etcd, run_id, tmp
         self.nnodes, self.steps, self.step_time = nnodes, steps, step_time
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
-        self.seen: dict[int, float] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._track, daemon=True)
-        self._thread.start()
+        self.tree = ProcessTree(sample_every=0.05)
 
     @property
     def events_file(self) -> Path:
@@ -64,9 +54,8 @@ class Job:
                   "--ckpt-every", "2", "--progress", str(self.tmp / "progress.jsonl"),
                   "--step-time", str(self.step_time), "--width", "16"]
         log = str(self.tmp / f"{name}.log")
-        proc = self.tree.elastic_rt(*args, *script, env=agent_env(), log=log)
+        proc = self.tree.elastic_rt(*args, *script, env=child_env(), log=log)
         self.agents[name] = proc
-        self._remember([proc.pid])
         return proc
 
     def rows(self, world_size: int | None = None) -> list[dict]:
@@ -79,7 +68,7 @@ class Job:
     def workers_of(self, name: str) -> list[int]:
         """PIDs of a node's current workers (setpriv execs, so children are workers)."""
         pids = [c.pid for c in psutil.Process(self.agents[name].pid).children()]
-        self._remember(pids)
+        self.tree.sample()
         return pids
 
     def log(self, name: str) -> str:
@@ -90,43 +79,14 @@ class Job:
         return {n: p.wait(timeout=max(0.1, deadline - time.monotonic()))
                 for n, p in self.agents.items()}
 
-    def _remember(self, pids: list[int]) -> None:
-        for pid in pids:
-            try:
-                created = psutil.Process(pid).create_time()
-            except psutil.Error:
-                continue
-            with self._lock:
-                self.seen.setdefault(pid, created)
-
-    def _track(self) -> None:
-        while not self._stop.wait(0.05):
-            for proc in list(self.agents.values()):
-                try:
-                    kids = psutil.Process(proc.pid).children(recursive=True)
-                except psutil.Error:
-                    continue
-                self._remember([k.pid for k in kids])
-
     def alive(self) -> list[int]:
-        with self._lock:
-            seen = dict(self.seen)
-        return [pid for pid, created in seen.items() if _alive(pid, created)]
+        """PIDs of every process this job ever had that still runs."""
+        return [p.pid for p in self.tree.alive()]
 
     def assert_nothing_left(self, timeout: float = 3.0) -> None:
         """Every agent and worker this job ever had is gone."""
-        self._stop.set()
-        self._thread.join()
         wait_until(lambda: not self.alive(), timeout, f"no process left (alive: {self.alive()})")
-        assert len(self.seen) > len(self.agents), "the tracker saw no worker at all"
-
-
-def _alive(pid: int, created: float) -> bool:
-    try:
-        proc = psutil.Process(pid)
-        return proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+        assert self.tree.seen_count > len(self.agents), "the tracker saw no worker at all"
 
 
 @pytest.fixture()
@@ -137,21 +97,19 @@ def kv(etcd_server: EtcdServer) -> Iterator[EtcdKV]:
 
 
 @pytest.fixture()
-def job_factory(process_tree: ProcessTree, etcd_server: EtcdServer, run_id: str,
-                tmp_path: Path) -> Iterator:
+def job_factory(etcd_server: EtcdServer, run_id: str, tmp_path: Path) -> Iterator:
     jobs: list[Job] = []
 
     def make(*, nnodes: str, steps: int, run: str = run_id, step_time: float = 0.1) -> Job:
         folder = tmp_path / run
         folder.mkdir()
-        job = Job(process_tree, etcd_server, run, folder, nnodes=nnodes, steps=steps,
-                  step_time=step_time)
+        job = Job(etcd_server, run, folder, nnodes=nnodes, steps=steps, step_time=step_time)
         jobs.append(job)
         return job
 
     yield make
     for job in jobs:
-        job._stop.set()
+        job.tree.close()
 
 
 def _restarts(kv: EtcdKV, run_id: str) -> int:
@@ -256,7 +214,7 @@ def test_sigterm_to_an_agent_leaves_gracefully_and_the_others_reform_at_once(
     wait_until(lambda: kv.get(node_key) is None, 5, "the leaver's node key to go", interval=0.02)
     key_gone_s = time.time() - sent
     assert leaver.wait(timeout=10) == 128 + signal.SIGTERM
-    assert not [p for p in leaver_workers if psutil.pid_exists(p) and _alive(p, job.seen[p])]
+    assert not set(leaver_workers) & set(job.alive())
 
     codes = job.wait_all(120)
     assert codes == {"a": 0, "b": 0, "c": 128 + signal.SIGTERM}, codes
@@ -283,7 +241,7 @@ def test_sigkill_of_the_agent_alone_takes_its_workers_within_two_seconds(
     assert orphans
 
     os.kill(victim.pid, signal.SIGKILL)  # the agent only, not its process group
-    wait_until(lambda: not [p for p in orphans if _alive(p, job.seen[p])], 2,
+    wait_until(lambda: not set(orphans) & set(job.alive()), 2,
                "the killed agent's workers to die (parent-death signal)")
 
     codes = job.wait_all(120)

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from elastic_rt.checkpoint import Checkpointer
+from elastic_rt.checkpoint.checkpointer import PARTIAL_GRACE_S
 from elastic_rt.checkpoint.inspect import verify
 from elastic_rt.checkpoint.manifest import MANIFEST_FILE
+from tests.checkpoint_tamper import age
 
 pytestmark = pytest.mark.slow
 
@@ -84,5 +86,8 @@ def test_a_save_killed_mid_write_stays_invisible_and_is_cleaned_up(tmp_path: Pat
     assert verify(str(root))[0]
 
     ckpt.save(info.step + 1000, state)
+    assert partial.exists()  # until nothing changed in it for the grace period
+    age(partial, PARTIAL_GRACE_S + 60)
+    ckpt.save(info.step + 1001, state)
     assert not partial.exists()
     assert all(i.committed for i in ckpt.list())

@@ -59,8 +59,8 @@ def _roundtrip(url: str, single_url: str, options: dict) -> None:
     assert [r["failure"] for r in results] == ["ConfigError", "ConfigError"]
     assert torch.equal(torch.cat([r["local"] for r in results]), FULL)
 
-    state = {"tp": torch.zeros(6, 4), "rep": torch.zeros(3), "stage0": torch.zeros(2),
-             "stage1": torch.zeros(2), "epoch": 0}
+    state: dict[str, Any] = {"tp": torch.zeros(6, 4), "rep": torch.zeros(3),
+                             "stage0": torch.zeros(2), "stage1": torch.zeros(2), "epoch": 0}
     info = Checkpointer(url, storage_options=options).load(state)
     assert info.name == results[0]["saved"] and info.layout == {"dp": 1, "tp": 2}
     assert torch.equal(state["tp"], FULL) and torch.all(state["rep"] == 7.0)

@@ -8,33 +8,22 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from elastic_rt.etcd_server import EtcdServer, free_port
+from elastic_rt.harness import child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
-from tests.fixtures.processes import ProcessTree, wait_until
+from tests.fixtures.processes import ProcessTree
 from tests.fixtures.tls import make_pki
-from tests.integration.launch_helpers import TORCHRUN_SCRIPT, agent_env
-from tests.integration.test_cli_errors import _assert_one_line_error
+from tests.integration.launch_helpers import TORCHRUN_SCRIPT
+from tests.integration.test_cli_errors import _assert_one_line_error, _cli
 
 pytestmark = pytest.mark.timeout(60)
 
 EVENT = {"name": "node.joined", "source": "agent", "timestamp_ms": 1000, "node": "a"}
-
-
-def _cli(
-    *args: str, tmp: Path, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "elastic_rt.cli", *args],
-        capture_output=True, text=True, timeout=30, env=env or agent_env(), cwd=tmp,
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -66,10 +55,8 @@ def test_timeline_into_a_missing_folder_creates_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "no").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="fixed by the config change on branch issue-14-agent "
-                   "(cfg.env_seconds); remove this mark when it merges")
 def test_a_fractional_lease_ttl_in_the_environment_does_not_break_status(tmp_path: Path) -> None:
-    env = {**agent_env(), "ELASTIC_RT_LEASE_TTL_SEC": "2.5"}
+    env = {"ELASTIC_RT_LEASE_TTL_SEC": "2.5"}
     port = free_port()
     result = _cli("status", "--run-id", "r", "--rdzv-endpoint", f"etcd://127.0.0.1:{port}",
                   tmp=tmp_path, env=env)  # fmt: skip
@@ -155,7 +142,7 @@ def time_wait_port() -> Iterator[int]:
 def test_etcd_accepts_a_port_in_time_wait(time_wait_port: int, process_tree: ProcessTree,
                                           tmp_path: Path) -> None:
     log = tmp_path / "etcd.log"
-    cli = process_tree.elastic_rt("etcd", "--port", str(time_wait_port), env=agent_env(),
+    cli = process_tree.elastic_rt("etcd", "--port", str(time_wait_port), env=child_env(),
                                   log=str(log))  # fmt: skip
     wanted = f"etcd://127.0.0.1:{time_wait_port}"
     wait_until(lambda: log.exists() and wanted in log.read_text() or cli.poll() is not None,

@@ -19,9 +19,10 @@ import psutil
 import pytest
 
 from elastic_rt.etcd_server import free_port
+from elastic_rt.harness import child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
-from tests.fixtures.processes import ProcessTree, wait_until
-from tests.integration.launch_helpers import TORCHRUN_SCRIPT, agent_env
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import TORCHRUN_SCRIPT
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,11 +36,12 @@ def busy_port() -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
-def _cli(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, tmp: Path, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess[str]:
     # cwd is a scratch dir, so a relative path in a case cannot hit a repo file.
     return subprocess.run(
         [sys.executable, "-m", "elastic_rt.cli", *args],
-        capture_output=True, text=True, timeout=30, env=agent_env(), cwd=tmp,
+        capture_output=True, text=True, timeout=30, env={**child_env(), **(env or {})}, cwd=tmp,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -51,7 +53,7 @@ def _assert_one_line_error(result: subprocess.CompletedProcess[str], *names: str
     assert "Traceback" not in result.stderr
     line = lines[0]
     assert line.startswith("elastic-rt: error: "), line
-    problem, sep, fix = line[len("elastic-rt: error: ") :].partition(". ")
+    problem, sep, fix = line[len("elastic-rt: error: "):].partition(". ")
     assert sep and problem and fix, f"no problem-then-fix sentence: {line}"
     for name in names:
         assert name in line, f"{name!r} not named in: {line}"
@@ -83,6 +85,31 @@ def test_usage_mistakes_are_one_line_naming_the_help(args: tuple[str, ...],
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (line,) = result.stderr.splitlines()
     assert line.startswith("elastic-rt") and "error:" in line and "--help)" in line, line
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"ELASTIC_RT_LEASE_TTL_SEC": "soon"}, ("ELASTIC_RT_LEASE_TTL_SEC", "'soon'")),
+        ({"ELASTIC_RT_LEASE_TTL_SEC": "-1"}, ("ELASTIC_RT_LEASE_TTL_SEC", "'-1'")),
+        ({"ELASTIC_RT_LEASE_TTL_SEC": "0.5"}, ("lease TTL", "ELASTIC_RT_LEASE_TTL_SEC")),
+        ({"ELASTIC_RT_LOG_LEVEL": "LOUD"}, ("ELASTIC_RT_LOG_LEVEL", "'LOUD'", "INFO")),
+    ],
+    ids=["ttl-text", "ttl-negative", "ttl-under-1s", "log-level"],
+)
+def test_bad_environment_value_is_one_line_with_exit_2(env: dict[str, str],
+                                                       names: tuple[str, ...],
+                                                       tmp_path: Path) -> None:
+    # No --rdzv-endpoint: the value must be refused before a private etcd starts.
+    _assert_one_line_error(_cli("launch", TORCHRUN_SCRIPT, tmp=tmp_path, env=env), *names)
+
+
+@pytest.mark.parametrize("flag", ["--lease-ttl", "--last-call", "--monitor-interval"])
+def test_bad_duration_flag_is_one_usage_line(flag: str, tmp_path: Path) -> None:
+    result = _cli("launch", flag, "soon", TORCHRUN_SCRIPT, tmp=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert flag in line and "'soon' is not a number of seconds" in line, line
 
 
 def test_missing_script(tmp_path: Path) -> None:
@@ -119,12 +146,12 @@ def test_launch_etcd_port_in_use(busy_port: int, tmp_path: Path) -> None:
 def test_etcd_command_serves_and_cleans_up_on_sigterm(process_tree: ProcessTree,
                                                       tmp_path: Path) -> None:
     log = tmp_path / "etcd.log"
-    cli = process_tree.elastic_rt("etcd", env=agent_env(), log=str(log))
+    cli = process_tree.elastic_rt("etcd", env=child_env(), log=str(log))
 
     def endpoint() -> str | None:
         for line in log.read_text().splitlines() if log.exists() else []:
             if line.startswith("etcd://127.0.0.1:"):
-                return line[len("etcd://") :]
+                return line[len("etcd://"):]
         return None
 
     address = str(wait_until(endpoint, 30, "the etcd:// line"))

@@ -16,17 +16,18 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
 from elastic_rt.config import ETCD_PASSWORD_ENV, EtcdAuth
 from elastic_rt.errors import ConfigError, CredentialsError, StoreConnectionError
 from elastic_rt.etcd_server import EtcdServer, find_etcd_binary
+from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
-from tests.fixtures.processes import ProcessTree, wait_until
+from elastic_rt.rendezvous.kv import KeyValue
+from tests.fixtures.processes import ProcessTree
 from tests.fixtures.tls import Pki, issue_client_cert, make_pki
-from tests.integration.launch_helpers import REPO, agent_env
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 
@@ -82,7 +83,12 @@ def _bash(script: str, env: dict[str, str]) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def _mtls(pki: Pki, **more: str) -> EtcdAuth:
+def _value(found: KeyValue | None) -> bytes | None:
+    """A key's value, or None when the key is missing."""
+    return found.value if found is not None else None
+
+
+def _mtls(pki: Pki, **more: Any) -> EtcdAuth:
     return EtcdAuth(cacert=pki.ca, cert=pki.client_cert, key=pki.client_key, **more)
 
 
@@ -142,7 +148,7 @@ def test_mutual_tls_client_uses_kv_leases_transactions_and_watches(
     try:
         lease = kv.grant_lease(5)
         kv.put(prefix + "a", b"1", lease=lease)
-        assert kv.get(prefix + "a").value == b"1"
+        assert _value(kv.get(prefix + "a")) == b"1"
         assert kv.put_if(prefix + "b", b"2", expect={prefix + "b": 0}) is not None
         assert kv.put_if(prefix + "b", b"3", expect={prefix + "b": 0}) is None
         assert [item.key for item in kv.get_prefix(prefix)] == [prefix + "a", prefix + "b"]
@@ -239,7 +245,7 @@ def test_run_user_reads_and_writes_only_its_own_prefix(secured: Secured) -> None
                 attempt()
             assert "permission denied" in _one_line(exc)
             assert password not in str(exc.value)
-    assert root.get(f"/elastic_rt/{theirs}/nodes/x").value == b"secret"
+    assert _value(root.get(f"/elastic_rt/{theirs}/nodes/x")) == b"secret"
     kv.close()
     root.close()
 
@@ -299,7 +305,7 @@ def test_cli_prints_a_refusal_as_one_line(secured: Secured, tmp_path: Path, mist
         expected = f"etcd at {secured.server.endpoint} refused our TLS client certificate"
     (tmp_path / "unused.py").write_text("")
     command = [sys.executable, "-m", "elastic_rt.cli", *flags, "--nnodes", "1", "unused.py"]
-    env = {**agent_env(), ETCD_PASSWORD_ENV: password}
+    env = {**child_env(), ETCD_PASSWORD_ENV: password}
     result = subprocess.run(
         command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
@@ -331,7 +337,7 @@ def test_launch_over_tls_and_auth_finishes_and_leaks_no_secret(
     script.write_text(
         "import os, sys\nsys.exit(0 if os.environ.get('ELASTIC_RT_ETCD_USER') else 3)"
     )
-    env = {**agent_env(), ETCD_PASSWORD_ENV: password, "ELASTIC_RT_LOG_LEVEL": "DEBUG"}
+    env = {**child_env(), ETCD_PASSWORD_ENV: password, "ELASTIC_RT_LOG_LEVEL": "DEBUG"}
     agents = [
         process_tree.elastic_rt(*_launch_flags(secured, run, tmp_path, node), "--nnodes", "2",
                                 str(script), env=env, log=str(tmp_path / f"{node}.log"))
@@ -378,7 +384,7 @@ def test_login_is_renewed_after_etcd_restarts(secured: Secured) -> None:
         return True
 
     wait_until(put_works, 20, "a put after the restart")
-    assert kv.get(f"/elastic_rt/{run}/a").value == b"2"
+    assert _value(kv.get(f"/elastic_rt/{run}/a")) == b"2"
     # The watch re-arms on its own within a second; keep writing until it reports.
     wait_until(lambda: kv.put(f"/elastic_rt/{run}/a", b"3") and woke.is_set(), 10,
                "the re-armed watch to fire with the new token")

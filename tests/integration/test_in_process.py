@@ -1,7 +1,7 @@
 """In-process recovery end to end: workers stay alive through node loss and growth.
 
 Three agents with one gloo worker each run ``scripts/examples/elastic_train.py``.
-One node is SIGKILLed at about step 30 and a fourth joins at about step 60; the
+One node is SIGKILLed at about step 30 and a fourth joins at about step 40; the
 final parameters must equal those of an uninterrupted run, the survivors' worker
 processes must be the ones that started, and the newcomer's workers must start
 before it is admitted (the survivors train on meanwhile).
@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from elastic_rt.etcd_server import free_port
+from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import NodeInfo, Round
-from tests.fixtures.processes import ProcessTree, wait_until
-from tests.integration.launch_helpers import REPO, agent_env, events, launch_args
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import events, launch_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
@@ -33,7 +34,7 @@ def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, out
           nnodes: str = "2:4"):
     args = launch_args(etcd_server.endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name)
     script = [SCRIPT, "--steps", str(STEPS), "--out", str(out), "--step-time", "0.05"]
-    return tree.elastic_rt(*args, *script, env=agent_env(), log=str(tmp / f"{name}.log"))
+    return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
 
 
 def _step(tmp: Path) -> int:
@@ -53,7 +54,9 @@ def test_node_kill_and_join_end_with_the_parameters_of_an_uninterrupted_run(
     nodes = {n: _node(process_tree, etcd_server, run_id, tmp_path, n, out) for n in "abc"}
     wait_until(lambda: _step(tmp_path) >= 30, 180, "step 30")
     os.killpg(nodes["c"].pid, signal.SIGKILL)
-    wait_until(lambda: _step(tmp_path) >= 60, 120, "step 60 after the kill")
+    # d joins early enough that its workers are imported (seconds on a busy box) before
+    # the survivors finish
+    wait_until(lambda: _step(tmp_path) >= 40, 120, "step 40 after the kill")
     nodes["d"] = _node(process_tree, etcd_server, run_id, tmp_path, "d", out)
     for name in "abd":
         assert nodes[name].wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
@@ -68,8 +71,10 @@ def test_node_kill_and_join_end_with_the_parameters_of_an_uninterrupted_run(
     assert restarted == [], "survivors' workers were restarted"
     sizes = {e.metadata["world_size"] for e in log if e.name == "step.completed"}
     assert sizes == {3, 2}, sizes  # 3 nodes, then 2 after the kill, then 3 again with d
-    steps = sorted(e.step for e in log if e.name == "step.completed" and e.rank == 0)
-    assert steps == list(range(1, STEPS + 1)), "a step was skipped or done twice"
+    for survivor in "ab":  # by node: the killed node may have been rank 0
+        steps = sorted(e.step for e in log if e.name == "step.completed" and e.node == survivor
+                       and e.step is not None)
+        assert steps == list(range(1, STEPS + 1)), f"{survivor} skipped a step or did one twice"
 
     # d's workers started before d joined, so the survivors trained on meanwhile.
     started = [e for e in log if e.name == "worker.started" and e.node == "d"]

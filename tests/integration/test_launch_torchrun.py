@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.launch_helpers import agent_env
+from elastic_rt.harness import child_env
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.etcd]
 
@@ -33,13 +33,13 @@ def _launch(
     cli = [sys.executable, "-m", "elastic_rt.cli", "launch", "--standalone"]
     return subprocess.run(
         [*cli, *flags, str(script), "x"],
-        capture_output=True, text=True, timeout=90, env=env or agent_env(), cwd=tmp,
+        capture_output=True, text=True, timeout=90, env=env or child_env(), cwd=tmp,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
 
 
 def test_tee_with_a_rank_filter_logs_every_rank_and_shows_only_the_chosen(tmp_path: Path) -> None:
-    env = {k: v for k, v in agent_env().items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
     logs = tmp_path / "logs" / "new"
     result = _launch(tmp_path, "--nproc-per-node", "2", "--role", "trainer", "--log-dir", str(logs),
                      "-t", "3", "--local-ranks-filter", "1", "--run-path", env=env)  # fmt: skip
@@ -56,7 +56,7 @@ def test_tee_with_a_rank_filter_logs_every_rank_and_shows_only_the_chosen(tmp_pa
 
 
 def test_a_users_omp_threads_is_kept_and_not_warned_about(tmp_path: Path) -> None:
-    env = {**agent_env(), "OMP_NUM_THREADS": "3"}
+    env = {**child_env(), "OMP_NUM_THREADS": "3"}
     result = _launch(tmp_path, "--nproc-per-node", "2", env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("OMP_NUM_THREADS=3") == 2

@@ -21,11 +21,12 @@ import torch
 from torch.utils.data import default_collate
 
 from elastic_rt.events import Event
+from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.sampler import ElasticSampler
 from scripts.examples import parallel_models as pm
 from scripts.examples import pipeline_train as pt
-from tests.fixtures.processes import ProcessTree, wait_until
-from tests.integration.launch_helpers import REPO, agent_env, events, launch_args
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import events, launch_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
@@ -39,7 +40,13 @@ def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str):
     script = [SCRIPT, "--steps", str(STEPS), "--every", str(EVERY), "--step-time", "0.15",
               "--global-batch", str(GLOBAL_BATCH), "--samples", str(SAMPLES),
               "--checkpoint", f"file://{tmp / 'ckpt'}", "--out", str(tmp / "out")]
-    return tree.elastic_rt(*args, *script, env=agent_env(), log=str(tmp / f"{name}.log"))
+    return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
+
+
+def _step(event: Event) -> int:
+    """The step of an event that must have one (step.completed, checkpoint.*)."""
+    assert event.step is not None, event
+    return event.step
 
 
 def _completed(log: list[Event]) -> list[Event]:
@@ -54,12 +61,12 @@ def _ready_to_kill(tmp: Path) -> bool:
     """
     log = events(tmp / "events.jsonl")
     done = _completed(log)
-    grown = [e.step for e in done if e.metadata["world_size"] == 4]
-    committed = [e.step for e in log if e.name == "checkpoint.committed"]
+    grown = [_step(e) for e in done if e.metadata["world_size"] == 4]
+    committed = [_step(e) for e in log if e.name == "checkpoint.committed"]
     if not grown or not committed or done[-1].metadata["world_size"] != 4:
         return False
     newest = max(committed)
-    return newest > grown[0] and newest + 2 <= done[-1].step <= newest + EVERY - 4
+    return newest > grown[0] and newest + 2 <= _step(done[-1]) <= newest + EVERY - 4
 
 
 def _reference_params() -> dict[str, torch.Tensor]:
@@ -103,16 +110,16 @@ def test_losing_a_pipeline_stage_rolls_back_to_the_checkpoint_and_ends_like_a_cl
 
     log = events(tmp_path / "events.jsonl")
     before = [e for e in log if e.timestamp_ms <= killed_ms]
-    newest = max(e.step for e in before if e.name == "checkpoint.committed")
-    last_trained = max(e.step for e in _completed(before))
+    newest = max(_step(e) for e in before if e.name == "checkpoint.committed")
+    last_trained = max(_step(e) for e in _completed(before))
     restored = [e for e in log if e.name == "checkpoint.restored" and e.source == "worker"]
-    assert restored and {e.step for e in restored} == {newest}, restored
+    assert restored and {_step(e) for e in restored} == {newest}, restored
     # Growing came from the replicas; losing stage 1 from the checkpoint.
     assert _sources("a", log) == {"init", "replicas", "checkpoint step"}, _sources("a", log)
     assert _sources("b", log) == {"replicas"}, _sources("b", log)
     assert _layouts("a", log) == {"dp1xpp2xtp1", "dp2xpp2xtp1"}, _layouts("a", log)
     assert not [e for e in log if e.name == "worker.restarted"], "recovery was not in-process"
     # No step was lost growing; the steps after the checkpoint were done again, none skipped.
-    steps = [e.step for e in _completed(log)]
-    assert [e.step for e in _completed(before)] == list(range(1, last_trained + 1))
+    steps = [_step(e) for e in _completed(log)]
+    assert [_step(e) for e in _completed(before)] == list(range(1, last_trained + 1))
     assert steps == list(range(1, last_trained + 1)) + list(range(newest + 1, STEPS + 1))

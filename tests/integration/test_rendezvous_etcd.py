@@ -1,21 +1,23 @@
 """Rendezvous against a real etcd: many simulated nodes (threads) in one process.
 
-Each :class:`~elastic_rt.testing.SimulatedNode` has its own etcd client and lease
-keeper and runs the agent's decide loop; only the workers are missing.
+Each :class:`~agents.simulated.SimulatedNode` has its own etcd client and lease
+keeper and runs the agent's own decisions (agents/policy.py); only the workers are missing.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Iterator
+import contextlib
+from datetime import timedelta
+from typing import Any, Callable, Iterator
 
 import pytest
 
+from agents.simulated import SimulatedNode, start_nodes, stop_nodes
 from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.harness import WaitTimeout, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import Limits, Round, Wait
-from elastic_rt.testing import SimulatedNode, start_nodes, stop_nodes
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -28,7 +30,7 @@ def start(etcd_server: EtcdServer) -> Iterator[Starter]:
     started: list[SimulatedNode] = []
 
     def _start(
-        run_id: str, names: list[str], limits: Limits, **kwargs: object
+        run_id: str, names: list[str], limits: Limits, **kwargs: Any
     ) -> list[SimulatedNode]:
         nodes = start_nodes(etcd_server.endpoint, run_id, names, limits, **kwargs)
         started.extend(nodes)
@@ -69,7 +71,8 @@ def test_eight_nodes_form_one_round_with_one_writer_and_ranks_by_arrival(
 def test_expired_lease_gives_a_next_round_of_survivors_in_their_order(
     start: Starter, run_id: str
 ) -> None:
-    nodes = start(run_id, [f"node-{i}" for i in range(8)], Limits(min_nodes=6, max_nodes=8), ttl=2)
+    nodes = start(run_id, [f"node-{i}" for i in range(8)], Limits(min_nodes=6, max_nodes=8),
+                  ttl=timedelta(seconds=2))
     first = agreed_round(nodes, lambda r: r.number == 0)
     victim = next(n for n in nodes if n.node_id == first.members[3])
     victim.crash()  # stops renewing; the key goes only when etcd expires the lease
@@ -118,9 +121,7 @@ def test_two_run_ids_on_one_etcd_never_see_each_other(
 
 
 def _eventually_waits(node: SimulatedNode, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if isinstance(node.last_action, Wait):
-            return True
-        time.sleep(0.05)
+    with contextlib.suppress(WaitTimeout):
+        return wait_until(lambda: isinstance(node.last_action, Wait), timeout,
+                          "the node to wait", interval=0.05)
     return False

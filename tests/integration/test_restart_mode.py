@@ -13,14 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.fixtures.processes import ProcessTree, wait_until
-from tests.integration.launch_helpers import (
-    TORCHRUN_SCRIPT,
-    events,
-    launch_args,
-    progress,
-    agent_env,
-)
+from elastic_rt.harness import child_env, wait_until
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import TORCHRUN_SCRIPT, events, launch_args, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(240)]
 
@@ -31,7 +26,7 @@ def _start_node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: st
                        extra=extra)
     script = [TORCHRUN_SCRIPT, "--steps", str(steps), "--ckpt", str(tmp / "ckpt.pt"),
               "--ckpt-every", "2", "--progress", str(tmp / "progress.jsonl"), "--step-time", "0.1"]
-    return tree.elastic_rt(*args, *script, env=agent_env(), log=str(tmp / f"{name}.log"))
+    return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
 
 
 def _max_step(tmp: Path, world_size: int | None = None) -> int:
@@ -46,7 +41,7 @@ def test_sigkill_of_a_node_leaves_survivors_finishing_with_world_size_two(
     nodes = {n: _start_node(process_tree, etcd_server, run_id, tmp_path, n, "2:3", steps)
              for n in ("a", "b", "c")}
     wait_until(lambda: _max_step(tmp_path, 3) >= 8, 120, "step 8 with world size 3")
-    process_tree.remember_children()
+    process_tree.sample()
     victim_workers = [c.pid for c in psutil.Process(nodes["c"].pid).children(recursive=True)]
     os.killpg(nodes["c"].pid, signal.SIGKILL)
     assert nodes["a"].wait(timeout=150) == 0

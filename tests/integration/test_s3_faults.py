@@ -36,11 +36,11 @@ def test_transient_errors_on_save_and_load_are_retried(
     proxy.add("GET", r"list-type=2", 503)           # the restore's listing
     proxy.add("GET", r"manifest\.json$", "reset")   # the restore's manifest read
     proxy.add("GET", r"\.distcp$", 500)             # a data file download
-    state = {"w": torch.randn(64, 32), "b": torch.arange(10.0), "epoch": 3}
+    state: dict[str, Any] = {"w": torch.randn(64, 32), "b": torch.arange(10.0), "epoch": 3}
 
     saver = Checkpointer(url, storage_options=options, async_save=False)
     saver.save(1, state)
-    target = {"w": torch.zeros(64, 32), "b": torch.zeros(10), "epoch": 0}
+    target: dict[str, Any] = {"w": torch.zeros(64, 32), "b": torch.zeros(10), "epoch": 0}
     info = Checkpointer(url, storage_options=options).load(target)
 
     assert info.step == 1

@@ -138,6 +138,16 @@ def test_unknown_run_id_is_one_line_naming_the_runs_that_exist(
     assert err.startswith("elastic-rt: error: no run 'nope'") and "\n" not in err
 
 
+def test_status_reads_no_launch_setting_from_the_environment(
+    etcd_server, etcd_kv, run_id, monkeypatch, capsys
+) -> None:
+    """A fractional lease TTL in the environment is launch's business; status just works."""
+    _running_run(etcd_kv, run_id)
+    monkeypatch.setenv("ELASTIC_RT_LEASE_TTL_SEC", "2.5")
+    assert main(["status", "--run-id", run_id, "--rdzv-endpoint", etcd_server.endpoint]) == 0
+    assert "round       1  (lost c)" in capsys.readouterr().out
+
+
 def test_unreachable_etcd_is_one_clear_error() -> None:
     endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
     with pytest.raises(EndpointUnreachableError, match=f"cannot reach etcd at {endpoint}"):

@@ -86,8 +86,9 @@ def test_loader_batches_use_every_sample_once_per_epoch_through_resplits_and_ret
                 r.source.reset()
             continue
         used.update(sum(fetched, []))
-        for r in ranks + [reference]:  # type: ignore[operator]
-            (r.sampler if isinstance(r, _Rank) else r).advance()
+        everyone: list[_Rank | ElasticSampler] = [*ranks, reference]
+        for who in everyone:
+            (who.sampler if isinstance(who, _Rank) else who).advance()
     assert used == Counter({i: 2 for i in range(n)})
 
 

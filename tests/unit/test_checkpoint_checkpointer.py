@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from elastic_rt.checkpoint import Checkpointer
+from elastic_rt.checkpoint.checkpointer import PARTIAL_GRACE_S
 from elastic_rt.checkpoint.inspect import ls, verify
 from elastic_rt.checkpoint.manifest import MANIFEST_FILE
 from elastic_rt.checkpoint.storage import call_with_retries
@@ -22,6 +23,7 @@ from elastic_rt.errors import (
     UnknownURLSchemeError,
 )
 from elastic_rt.events import EventSink, read_events
+from tests.checkpoint_tamper import age, read_manifest_json, write_manifest_json
 
 
 class FencedPointer:
@@ -81,13 +83,16 @@ def test_every_save_goes_to_a_fresh_folder_and_retention_keeps_k(url: str) -> No
 def test_a_partial_folder_is_invisible_and_removed_by_the_next_save(url: str) -> None:
     ckpt = Checkpointer(url, async_save=False)
     ckpt.save(1, _state(1))
-    partial = Path(url) / "step-00000002-abcdef"
+    partial = Path(url) / "step-00000002-g000002-abcdef"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half")
     assert [i.committed for i in ckpt.list()] == [True, False]
     target = _empty()
     assert ckpt.load(target).step == 1
     ckpt.save(3, _state(3))
+    assert partial.exists()  # it may still be a live writer's
+    age(partial, PARTIAL_GRACE_S + 60)
+    ckpt.save(4, _state(4))
     assert not partial.exists()
 
 
@@ -204,3 +209,20 @@ def test_a_synchronous_save_is_committed_when_save_returns(url: str) -> None:
     info = ckpt.wait()
     assert info is not None and info.step == 1
     assert ckpt.wait() is None
+
+
+def test_a_checkpoint_written_before_generations_loads_and_sorts_below_new_ones(
+        url: str) -> None:
+    ckpt = Checkpointer(url, async_save=False, keep=0)
+    ckpt.save(50, _state(50))
+    (folder,) = Path(url).iterdir()
+    legacy = folder.rename(Path(url) / "step-00000050-abcdef")  # a format 2 checkpoint
+    body = read_manifest_json(legacy)
+    del body["generation"], body["manifest_checksum"]
+    body.update(format_version=2, name=legacy.name)
+    write_manifest_json(legacy, body, reseal=False)
+    target = _empty()
+    assert ckpt.load(target).name == legacy.name and torch.all(target["w"] == 50.0)
+    ckpt.save(3, _state(3))  # resumed from it: a lower step, a later commit
+    assert ckpt.load(_empty()).step == 3
+    assert verify(url)[0]

@@ -18,6 +18,8 @@ from elastic_rt.checkpoint.manifest import (
     committed_names,
     names_to_remove,
     new_name,
+    next_generation,
+    parse_name,
     parse_step,
     read_manifest,
     scan,
@@ -36,18 +38,33 @@ def _names(dirs: list[DirState]) -> list[str]:
 
 
 def _asking(dirs: list[DirState], asked: list[str]) -> Callable[[str], bool]:
-    """``has_manifest`` over ``dirs`` that records what it was asked."""
-    def has_manifest(name: str) -> bool:
+    """``loadable`` over ``dirs`` (a manifest means loadable) that records what it was asked."""
+    def loadable(name: str) -> bool:
         asked.append(name)
         return next(d.has_manifest for d in dirs if d.name == name)
-    return has_manifest
+    return loadable
 
 
-def test_new_name_carries_the_step_and_parses_back() -> None:
-    name = new_name(120)
-    assert name.startswith("step-00000120-")
-    assert parse_step(name) == 120
-    assert new_name(120) != name
+def _all_settled(name: str) -> bool:
+    return True
+
+
+def test_new_name_carries_step_and_generation_and_parses_back() -> None:
+    name = new_name(120, 7)
+    assert name.startswith("step-00000120-g000007-")
+    assert parse_step(name) == 120 and parse_name(name) == (120, 7)
+    assert new_name(120, 7) != name
+    assert parse_name("step-00000120-abcdef") == (120, 0)  # written before generations
+
+
+def test_order_follows_generations_then_steps_then_names() -> None:
+    abandoned, restored = "step-00000020-g000002-aaaaaa", "step-00000010-g000001-bbbbbb"
+    newer = new_name(15, next_generation([abandoned, restored, "notes"], restored=1))
+    assert parse_name(newer) == (15, 3)
+    assert candidates([abandoned, restored, newer], None) == [newer, abandoned, restored]
+    tie = ["step-00000005-g000004-cccccc", "step-00000005-g000004-bbbbbb"]
+    assert candidates(tie, None) == candidates(list(reversed(tie)), None) == sorted(
+        tie, reverse=True)
 
 
 @pytest.mark.parametrize("name", ["step-1-abcdef", "other", "step-00000001-xyz123", ""])
@@ -58,10 +75,14 @@ def test_parse_step_ignores_folders_that_are_not_ours(name: str) -> None:
 def test_manifest_round_trips_through_json() -> None:
     manifest = Manifest(name="step-00000007-abcdef", step=7, layout={"dp": 2},
                         extra={"sampler": {"position": 3}}, objects={"lr": 0.1},
-                        files=(FileEntry(".metadata", 10, "xxh3_64:00000000deadbeef"),), world_size=2)
+                        files=(FileEntry(".metadata", 10, "xxh3_64:00000000deadbeef"),),
+                        world_size=2)
     again = Manifest.from_json(manifest.to_json(), "x")
     assert again == manifest
     assert again.nbytes == 10
+    tampered = manifest.to_json().replace(b'"step": 7', b'"step": 8')
+    with pytest.raises(CorruptShardError, match="does not match its checksum"):
+        Manifest.from_json(tampered, "x")
 
 
 @pytest.mark.parametrize("data", [b"not json", b"{}", b'{"format_version": 99}',
@@ -102,8 +123,8 @@ def test_retention_keeps_the_newest_committed_and_drops_partials() -> None:
     dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", True), (3, "cccccc", False),
                  (4, "dddddd", True), (5, "eeeeee", False))
     asked: list[str] = []
-    doomed = names_to_remove(_names(dirs), None, keep=2, in_flight={"step-00000005-eeeeee"},
-                             has_manifest=_asking(dirs, asked))
+    doomed = names_to_remove(_names(dirs), None, keep=2, protected={"step-00000005-eeeeee"},
+                             loadable=_asking(dirs, asked), settled=_all_settled)
     assert doomed == ["step-00000001-aaaaaa", "step-00000003-cccccc"]
     assert asked == ["step-00000005-eeeeee", "step-00000004-dddddd", "step-00000003-cccccc",
                      "step-00000002-bbbbbb"]  # newest first, and no further than needed
@@ -111,14 +132,25 @@ def test_retention_keeps_the_newest_committed_and_drops_partials() -> None:
 
 def test_retention_with_keep_zero_keeps_every_committed() -> None:
     dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", False))
-    assert names_to_remove(_names(dirs), None, keep=0, in_flight=set(),
-                           has_manifest=_asking(dirs, [])) == ["step-00000002-bbbbbb"]
+    assert names_to_remove(_names(dirs), None, keep=0, protected=set(),
+                           loadable=_asking(dirs, []), settled=_all_settled) == [
+        "step-00000002-bbbbbb"]
+
+
+def test_retention_spares_unsettled_folders_and_counts_only_loadable_ones() -> None:
+    dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", True), (3, "cccccc", False),
+                 (4, "dddddd", False))  # 4: a live writer's; 3: a damaged manifest
+    doomed = names_to_remove(_names(dirs), None, keep=2, protected=set(),
+                             loadable=_asking(dirs, []),
+                             settled=lambda name: name != "step-00000004-dddddd")
+    assert doomed == ["step-00000003-cccccc"]  # 1 and 2 are the two loadable ones
 
 
 def test_retention_removes_a_fenced_out_manifest_newer_than_the_pointer() -> None:
     dirs = _dirs((1, "aaaaaa", True), (2, "bbbbbb", True))
     assert names_to_remove(_names(dirs) + ["notes"], "step-00000001-aaaaaa", keep=3,
-                           in_flight=set(), has_manifest=_asking(dirs, [])) == [
+                           protected=set(), loadable=_asking(dirs, []),
+                           settled=_all_settled) == [
         "step-00000002-bbbbbb"]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 from pathlib import Path
@@ -12,10 +11,9 @@ import pytest
 import torch
 
 from elastic_rt.checkpoint import Checkpointer
-from elastic_rt.checkpoint.checksum import checksum_of
-from elastic_rt.checkpoint.manifest import MANIFEST_FILE
 from elastic_rt.checkpoint.safe_pickle import load_metadata
-from elastic_rt.errors import CheckpointMismatchError, CorruptShardError
+from elastic_rt.errors import CorruptShardError
+from tests.checkpoint_tamper import plant
 
 
 class _Payload:
@@ -33,16 +31,6 @@ def _saved(tmp_path: Path) -> tuple[Checkpointer, Path]:
     ckpt.save(1, {"w": torch.arange(6.0), "lr": 0.5})
     (folder,) = (tmp_path / "ckpt").iterdir()
     return ckpt, folder
-
-
-def _plant(folder: Path, filename: str, data: bytes) -> None:
-    """Replace a file and fix up the manifest, as an attacker with write access could."""
-    (folder / filename).write_bytes(data)
-    manifest = json.loads((folder / MANIFEST_FILE).read_text())
-    for entry in manifest["files"]:
-        if entry["path"] == filename:
-            entry["size"], entry["checksum"] = len(data), checksum_of(data)
-    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def test_real_dcp_metadata_passes_the_allow_list(tmp_path: Path) -> None:
@@ -66,7 +54,7 @@ def test_metadata_that_is_not_a_metadata_object_is_refused() -> None:
 def test_a_payload_planted_in_dot_metadata_does_not_run_on_load(tmp_path: Path) -> None:
     ckpt, folder = _saved(tmp_path)
     target = tmp_path / "pwned"
-    _plant(folder, ".metadata", pickle.dumps(_Payload(target)))
+    plant(folder, ".metadata", pickle.dumps(_Payload(target)))
     with pytest.raises(CorruptShardError, match=".metadata is not plain checkpoint metadata"):
         ckpt.load({"w": torch.zeros(6), "lr": 0.0})
     assert not target.exists()
@@ -82,8 +70,8 @@ def test_a_payload_planted_in_a_state_file_does_not_run_on_load(tmp_path: Path) 
     # Point the item at the planted bytes so that the reader does try to decode them.
     (info,) = metadata.storage_data.values()
     info.offset, info.length = 0, len(buffer.getvalue())
-    _plant(folder, data_file, buffer.getvalue())
-    _plant(folder, ".metadata", pickle.dumps(metadata))
+    plant(folder, data_file, buffer.getvalue())
+    plant(folder, ".metadata", pickle.dumps(metadata))
     with pytest.raises(CorruptShardError, match="not a plain tensor and was refused"):
         ckpt.load({"w": torch.zeros(6), "lr": 0.0})
     assert not target.exists()
@@ -105,6 +93,6 @@ def test_metadata_declaring_a_tensor_as_a_pickled_object_is_refused(tmp_path: Pa
     ckpt, folder = _saved(tmp_path)
     metadata = load_metadata((folder / ".metadata").read_bytes(), "m")
     metadata.state_dict_metadata["w"] = BytesStorageMetadata()
-    _plant(folder, ".metadata", pickle.dumps(metadata))
-    with pytest.raises(CheckpointMismatchError, match="'w' with shape object"):
+    plant(folder, ".metadata", pickle.dumps(metadata))
+    with pytest.raises(CorruptShardError, match="'w' is a BytesStorageMetadata, not a tensor"):
         ckpt.load({"w": torch.zeros(6), "lr": 0.0})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def test_flatten_uses_dotted_keys_and_keeps_the_callers_tensors() -> None:
 
 def test_finish_load_puts_plain_values_back_and_calls_load_state_dict() -> None:
     model = torch.nn.Linear(2, 2)
-    state = {"model": model, "meta": {"epoch": 0, "t": torch.zeros(1)}}
+    state: dict[str, Any] = {"model": model, "meta": {"epoch": 0, "t": torch.zeros(1)}}
     flat = flatten(state)
     flat.tensors["model.weight"].fill_(3.0)
     flat.finish_load(encode_objects({"meta.epoch": 4}), "src")
@@ -49,4 +50,4 @@ def test_finish_load_names_a_missing_plain_value() -> None:
 
 def test_a_key_that_is_not_str_or_int_is_refused() -> None:
     with pytest.raises(ConfigError, match="is a tuple"):
-        flatten({("a", "b"): torch.zeros(1)})
+        flatten({("a", "b"): torch.zeros(1)})  # type: ignore[dict-item]

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from elastic_rt import config as cfg
+from elastic_rt import torchrun_flags
 from elastic_rt.cli import _parser, parse_endpoint
 
 CLUSTER = Path(__file__).resolve().parents[2] / "scripts" / "cluster"
@@ -117,7 +118,7 @@ def _validated(argv: list[str]) -> argparse.Namespace:
     endpoint, _tls = parse_endpoint(args.rdzv_endpoint)
     cfg.RendezvousConfig(run_id=args.run_id, endpoint=endpoint, min_nodes=min_nodes,
                          max_nodes=max_nodes)  # fmt: skip
-    assert args.nproc_per_node >= 1 and args.script == "train.py"
+    assert torchrun_flags.resolve_nproc(args.nproc_per_node) >= 1 and args.script == "train.py"
     return args
 
 

@@ -49,7 +49,7 @@ def _reduce(env: WorkerEnv, options: GradSync, micro: int) -> dict[str, object]:
             loss = torch.nn.functional.mse_loss(model(cx), cy) * (len(cx) / SAMPLES)
             loss.backward()
         buckets.finish()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads = {name: _grad(p).clone() for name, p in model.named_parameters()}
     buckets.close()
     dist.destroy_process_group()
     return {"grads": grads, "launched": launched_during_backward,
@@ -60,7 +60,13 @@ def _reference() -> dict[str, torch.Tensor]:
     model = _model()
     x, y = _data()
     torch.nn.functional.mse_loss(model(x), y).backward()
-    return {name: p.grad for name, p in model.named_parameters()}
+    return {name: _grad(p) for name, p in model.named_parameters()}
+
+
+def _grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's gradient, which the backward above must have made."""
+    assert param.grad is not None
+    return param.grad
 
 
 def test_uneven_shares_and_micro_batches_sum_to_the_global_batch_gradient() -> None:

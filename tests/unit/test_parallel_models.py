@@ -27,7 +27,8 @@ def test_a_stage_holds_the_full_models_weights_under_the_full_names() -> None:
 
 def test_another_seed_gives_other_weights() -> None:
     first, second = pm.MLP(seed=0), pm.MLP(seed=1)
-    assert not torch.equal(first.blocks["0"].up.weight, second.blocks["0"].up.weight)
+    key = "blocks.0.up.weight"
+    assert not torch.equal(first.state_dict()[key], second.state_dict()[key])
 
 
 def test_reference_training_is_deterministic_and_learns() -> None:

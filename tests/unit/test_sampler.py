@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from elastic_rt.errors import ConfigError
 from elastic_rt.sampler import ElasticSampler, share_bounds
 
 
-def _world(state: dict[str, int], dp_size: int, **kwargs: object) -> list[ElasticSampler]:
+def _world(state: dict[str, int], dp_size: int, **kwargs: Any) -> list[ElasticSampler]:
     """A freshly re-formed world: every rank builds a sampler and loads the shared state."""
     ranks = []
     for dp_rank in range(dp_size):
@@ -204,7 +205,7 @@ def test_every_sample_is_used_exactly_once_per_epoch_whatever_the_world_does(
 
 
 def _reform(
-    ranks: list[ElasticSampler], dp_size: int, kwargs: dict[str, object]
+    ranks: list[ElasticSampler], dp_size: int, kwargs: dict[str, Any]
 ) -> list[ElasticSampler]:
     """Survivors keep their sampler objects; joiners load the state through JSON."""
     state = json.loads(json.dumps(ranks[0].state_dict()))

@@ -11,7 +11,7 @@ import pytest
 
 from agents.output import OutputSpec, Std, parse_ranks, parse_std, plan_streams
 from agents.workers import WorkerGroup, WorkerState
-from tests.fixtures.processes import wait_until
+from elastic_rt.harness import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,100 @@
+"""This node's workers as the agent sees them: started with their environment, watched
+with their acknowledgements, stopped.
+
+The processes themselves are :class:`~agents.workers.WorkerGroup`'s; this adds what
+the agent knows about them: the environment each one gets (one
+:class:`~elastic_rt.config.WorkerEnv` path, see :mod:`agents.worker_env`), the
+directory their in-process acknowledgements land in, and the events that say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import Callable
+
+from agents.acks import read_acks
+from agents.config import AgentConfig
+from agents.policy import acks_in_process
+from agents.worker_env import process_env, round_envs, standby_envs
+from agents.workers import WorkerExit, WorkerGroup, WorkerState
+from elastic_rt.childproc import owned_temp_dir
+from elastic_rt.config import WorkerEnv
+from elastic_rt.events import EventSink
+from elastic_rt.rendezvous.rounds import Round
+
+logger = logging.getLogger(__name__)
+
+
+class LocalWorkers:
+    def __init__(self, config: AgentConfig, events: EventSink) -> None:
+        self.command = config.command
+        self.nproc = config.nproc_per_node
+        self.events = events
+        self.agent_dir = owned_temp_dir("elastic-rt-agent-")
+        self.group = WorkerGroup(
+            config.grace_period.total_seconds(), output=config.output, log_dir=self.agent_dir
+        )
+        rdzv = config.rendezvous
+        self._shared = WorkerEnv(
+            node_id=config.node_id, run_id=rdzv.run_id, endpoint=rdzv.endpoint,
+            agent_dir=self.agent_dir, events_file=config.events_file, lease_ttl=rdzv.lease_ttl,
+            auth=rdzv.auth, max_restarts=config.max_restarts,
+        )  # fmt: skip
+        """What every local worker's environment shares, whatever the round."""
+
+    def start_in(self, round_: Round, master: tuple[str, int], restart_count: int) -> None:
+        envs = round_envs(self._shared, round_, master=master, restart_count=restart_count)
+        pids = self._start(envs)
+        self.events.emit(
+            "worker.started" if restart_count == 0 else "worker.restarted", round=round_.number,
+            pids=pids, world_size=round_.world_size, restart_count=restart_count,
+        )  # fmt: skip
+
+    def start_standby(self, restart_count: int, *, first: bool) -> None:
+        """Start workers outside any round (see :meth:`Agent._start_in_standby`)."""
+        pids = self._start(standby_envs(self._shared, self.nproc, restart_count=restart_count))
+        self.events.emit("worker.started" if first else "worker.restarted", pids=pids,
+                         restart_count=restart_count, standby=True)
+
+    def wait_announced(self, seconds: float, give_up: Callable[[], bool],
+                       sleep: Callable[[float], None]) -> bool:
+        """Wait until every worker announced in-process recovery; False if not in time."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not give_up():
+            if self.poll()[0] is not WorkerState.RUNNING or self.in_process():
+                break
+            sleep(0.1)
+        return self.in_process()
+
+    def report_failed(self, round_: Round, exits: tuple[WorkerExit, ...]) -> WorkerExit:
+        """Say which workers failed in ``round_``; returns the first of them."""
+        failed = [e for e in exits if e.exitcode != 0]
+        for e in failed:
+            self.events.emit("worker.failed", round=round_.number, local_rank=e.local_rank,
+                             pid=e.pid, exitcode=e.exitcode)
+        return failed[0]
+
+    def poll(self) -> tuple[WorkerState, list[WorkerExit]]:
+        return self.group.poll()
+
+    def acks(self) -> tuple[int | None, ...]:
+        return read_acks(self.agent_dir, self.group.pids)
+
+    def in_process(self) -> bool:
+        return acks_in_process(self.acks())
+
+    def stop(self, why: str = "") -> None:
+        """Stop every worker (thread-safe: the lease thread calls it when fencing)."""
+        if why and self.group.pids:
+            logger.info("stopping workers: %s", why)
+        self.group.stop()
+
+    def close(self) -> None:
+        self.group.stop()
+        shutil.rmtree(self.agent_dir, ignore_errors=True)
+
+    def _start(self, envs: list[WorkerEnv]) -> list[int]:
+        return self.group.start(self.command, [process_env(os.environ, e) for e in envs])

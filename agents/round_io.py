@@ -1,0 +1,91 @@
+"""The agent's round I/O: write a proposed round, agree on its store, settle a failure.
+
+Each function carries out one step the policy (:mod:`agents.policy`) decided, or
+gathers the facts its next decision needs, and says what happened in events.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Callable
+
+from agents import policy
+from agents.alive import probe_members
+from agents.workers import WorkerExit
+from elastic_rt.etcd_server import free_port
+from elastic_rt.events import EventSink
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.rounds import NodeInfo, Round
+
+logger = logging.getLogger(__name__)
+
+
+def propose_round(registry: RunRegistry, events: EventSink, action: policy.ProposeRound) -> None:
+    """Write the round if the previous one still stands (one proposer wins), and tell."""
+    began = time.monotonic()
+    written = registry.propose(action.proposal)
+    if written is None:
+        return
+    # From the round it replaces, not the agent's state: a worker failure seen before
+    # the peer's key went has already stopped our workers, and node.lost was lost.
+    replaced = action.replaced.members if action.replaced else ()
+    for node in (m for m in replaced if m not in written.members):
+        events.emit("node.lost", round=written.number, lost=node)
+    events.emit(
+        "round.formed", round=written.number, world_size=written.world_size,
+        members=list(written.members), reason=written.reason,
+        duration_ms=int((time.monotonic() - began) * 1000),
+    )  # fmt: skip
+    logger.info("round %d formed: %s (%s)", written.number, ",".join(written.members),
+                written.reason)
+
+
+def agree_on_store(registry: RunRegistry, round_: Round, me: NodeInfo, *, wait: timedelta,
+                   sleep: Callable[[float], None]) -> tuple[str, int] | None:
+    """The round's first node picks the c10d store's address; the others read it.
+
+    The store lives in that node's rank-0 worker (torchrun's env:// rendezvous) and is
+    re-hosted by the first member of every new round, so it never outlives the node
+    it depends on. Returns (host, port); None when the round is gone or has no host.
+
+    None sends the agent back to its loop, which re-forms without a first node that
+    left before publishing, or follows the round that replaced this one.
+    """
+    if round_.members[0] == me.node_id:
+        registry.publish_store(round_, f"{me.host}:{free_port(me.host)}")
+    deadline = time.monotonic() + wait.total_seconds()
+    while time.monotonic() < deadline:
+        address = registry.store_address(round_.number)
+        if address:
+            host, _, port = address.rpartition(":")
+            return host, int(port)
+        current = registry.current_round()
+        if current is None or current.number != round_.number:
+            return None
+        if round_.members[0] not in registry.nodes():
+            return None
+        sleep(0.05)
+    logger.warning("no store address for round %d; waiting for the next round", round_.number)
+    return None
+
+
+def settle_failure(registry: RunRegistry, round_: Round, first: WorkerExit, *, in_process: bool,
+                   settings: policy.Settings
+                   ) -> policy.Failed | policy.RestartInStandby | policy.ProposeRound | None:
+    """After a local worker failed and the workers were stopped: what it costs the job.
+
+    Reads the run again, probes the peers or claims the failure, counts the restart,
+    as :func:`policy.on_worker_failure` and :func:`policy.on_restart_counted` decide.
+    """
+    facts = policy.FailureFacts(round_, registry.snapshot(), in_process, first,
+                                settings.node_id, int(time.time() * 1000))
+    step = policy.on_worker_failure(facts)
+    if isinstance(step, policy.Failed) or step is policy.FailureStep.IGNORE:
+        return step if isinstance(step, policy.Failed) else None
+    if step is policy.FailureStep.PROBE and probe_members(registry, round_, settings.node_id)[0]:
+        return None  # a dead peer explains it: a membership change, free
+    if not registry.claim_failure(round_.number, facts.what):
+        return None  # another node of this round counts it
+    return policy.on_restart_counted(facts, registry.count_restart(), settings)

@@ -1,0 +1,310 @@
+"""Rendezvous participants without workers, running the agent's own decisions.
+
+A :class:`SimulatedNode` registers on a real lease
+(:class:`~elastic_rt.rendezvous.lease.LeaseKeeper`) and runs
+:func:`agents.policy.decide` on a thread, exactly as an agent does, with no
+workers: starting them only records the round. Dozens fit in one process, which is
+how the integration tests and ``scripts/bench/rendezvous.py`` put many nodes on one
+etcd.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterable
+
+from agents import policy
+from agents.inbox import Inbox
+from agents.policy import AgentState, Observation
+from agents.run_reader import RunReader
+from elastic_rt.config import DEFAULT_LEASE_TTL
+from elastic_rt.errors import RendezvousTimeoutError, StoreError
+from elastic_rt.rendezvous import rounds
+from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.kv import KVStore
+from elastic_rt.rendezvous.lease import LeaseKeeper
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round
+from elastic_rt.testing import CountingKV, OpCounter
+
+logger = logging.getLogger(__name__)
+
+
+class SimulatedNode:
+    """One rendezvous participant on a thread: registration, lease, decisions, no workers.
+
+    Args:
+        kv: this node's store client (give each node its own, as real nodes have).
+        run_id: the run to join.
+        node_id: unique within the run.
+        limits: ``--nnodes MIN:MAX`` and the last-call window.
+        ttl: lease time-to-live.
+        nproc: workers this node would run (only recorded in the round).
+        wait_poll: seconds between snapshots while waiting (the agent's 0.5 s).
+        member_poll: seconds between snapshots while in a round (the agent re-reads
+            at most once a second and looks at its workers every monitor interval).
+        watch: wake on writes as well as polling, as the agent does.
+        wake_on: which keys' writes wake the node, relative to the run's prefix:
+            ``""`` (every key) or ``"round"`` (round changes only, as the agent).
+    """
+
+    def __init__(
+        self,
+        kv: KVStore,
+        run_id: str,
+        node_id: str,
+        limits: Limits,
+        *,
+        ttl: timedelta = DEFAULT_LEASE_TTL,
+        nproc: int = 1,
+        wait_poll: float = 0.5,
+        member_poll: float = 0.1,
+        watch: bool = True,
+        wake_on: str = "",
+    ) -> None:
+        self.kv = kv
+        self.registry = RunRegistry(kv, run_id)
+        self.info = NodeInfo(node_id=node_id, host="127.0.0.1", nproc=nproc)
+        self.node_id = node_id
+        self.settings = policy.Settings(
+            node_id=node_id, limits=limits, monitor_interval=timedelta(seconds=member_poll),
+            wait_poll=timedelta(seconds=wait_poll), reread_every=timedelta(seconds=member_poll),
+            retry_after=timedelta(seconds=wait_poll),
+        )  # fmt: skip
+        self.inbox = Inbox()
+        self.keeper = LeaseKeeper(self.registry, self.info, ttl, on_fenced=self._on_fenced)
+        self.watch = watch
+        self.wake_on = wake_on
+        self.state = AgentState()
+        self.rounds: list[Round] = []
+        """Every round this node took part in, in order (one entry per round number)."""
+        self.proposed: list[Round] = []
+        """Rounds this node wrote (it won the compare)."""
+        self.last_action: rounds.Action | None = None
+        """The last round decision (Wait, Participate, ...) the node acted on."""
+        self.error: BaseException | None = None
+        self.fenced: list[str] = []
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self.reader = RunReader(self.registry, self.inbox)
+        self._thread = threading.Thread(target=self._run, name=f"sim-{node_id}", daemon=True)
+
+    # lifecycle ---------------------------------------------------------------------
+    def start(self) -> "SimulatedNode":
+        """Register and loop on the node's thread; returns at once."""
+        self._thread.start()
+        return self
+
+    def halt(self) -> None:
+        """Stop deciding (the lease is still kept): lets many nodes quiet down at once."""
+        self._stop.set()
+        self.inbox.changed()
+
+    def stop(self, *, revoke: bool = True) -> None:
+        """Leave: with ``revoke`` the registration goes now, else when the lease expires."""
+        self.halt()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self.keeper.stop(revoke=revoke)
+
+    def crash(self) -> None:
+        """Die silently: no more renewals and no revoke, so the lease runs out."""
+        self.stop(revoke=False)
+
+    # observation -------------------------------------------------------------------
+    @property
+    def current(self) -> Round | None:
+        with self._changed:
+            return self.rounds[-1] if self.rounds else None
+
+    def wait_for_round(self, predicate: Callable[[Round], bool], timeout: float) -> Round:
+        """Block until this node took part in a round that satisfies ``predicate``.
+
+        Raises:
+            TimeoutError: no such round within ``timeout`` seconds (or the loop died).
+        """
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for round_ in reversed(self.rounds):
+                    if predicate(round_):
+                        return round_
+                left = deadline - time.monotonic()
+                if left <= 0 or self.error is not None:
+                    raise TimeoutError(
+                        f"{self.node_id}: no matching round within {timeout:.1f} s; "
+                        f"saw {[(r.number, r.members) for r in self.rounds]}, "
+                        f"last action {self.last_action}, error {self.error!r}"
+                    )
+                self._changed.wait(min(left, 0.5))
+
+    # the loop: the agent's decisions, carried out without workers ----------------------
+    def _run(self) -> None:
+        cancel_watch: Callable[[], None] | None = None
+        try:
+            self.keeper.start()
+            if self.watch:
+                cancel_watch = self.kv.on_change(self.registry.key(self.wake_on),
+                                                 self.inbox.changed)
+            while not self._stop.is_set():
+                self._step()
+        except BaseException as exc:  # noqa: BLE001 - thread boundary: keep it for the test
+            logger.exception("simulated node %s died", self.node_id)
+            with self._changed:
+                self.error = exc
+                self._changed.notify_all()
+        finally:
+            if cancel_watch is not None:
+                cancel_watch()
+
+    def _step(self) -> None:
+        if self.inbox.take_fenced():
+            self.state = policy.fenced(self.state)
+        decision = policy.decide(self.state, self._observe(), self.settings)
+        self.state = decision.state
+        if decision.rendezvous is not None:
+            self.last_action = decision.rendezvous
+        for action in decision.actions:
+            self._act(action)
+
+    def _observe(self) -> Observation:
+        snapshot, store_error = self.reader.read(self.state, self.settings)
+        return Observation(now=time.monotonic(), now_ms=int(time.time() * 1000),
+                           snapshot=snapshot, store_error=store_error)
+
+    def _act(self, action: policy.Action) -> None:
+        if isinstance(action, policy.Exit):
+            self._stop.set()
+        elif isinstance(action, policy.ProposeRound):
+            self._propose(action.proposal)
+        elif isinstance(action, (policy.StartWorkers, policy.FollowRound)):
+            self._record(action.round)
+            self.state = policy.started(self.state, action.round)
+        elif isinstance(action, policy.StopWorkers):
+            self.state = policy.stopped(self.state)
+        elif isinstance(action, policy.CloseRun):
+            self.registry.close(policy.closed_record(action.outcome))
+        elif isinstance(action, policy.JoinTimedOut):
+            raise RendezvousTimeoutError(f"only {action.registered} nodes joined",
+                                         "Start more simulated nodes.")
+        elif isinstance(action, policy.Sleep):
+            self.inbox.sleep(action.seconds)
+        # Failures, successes, alarms and acks come from workers, which this node lacks.
+
+    def _propose(self, proposal: rounds.Propose) -> None:
+        self.inbox.reread()
+        try:
+            written = self.registry.propose(proposal)
+        except StoreError as exc:
+            logger.debug("%s: proposal failed: %s", self.node_id, exc)
+            return
+        if written is not None:
+            with self._changed:
+                self.proposed.append(written)
+
+    def _record(self, round_: Round) -> None:
+        with self._changed:
+            if not self.rounds or self.rounds[-1].number != round_.number:
+                self.rounds.append(round_)
+                self._changed.notify_all()
+
+    def _on_fenced(self, why: str) -> None:
+        self.fenced.append(why)
+        self.inbox.fenced()
+
+
+@dataclass(frozen=True)
+class FormResult:
+    """How one round formed: wall time, store calls, and what every node agreed on."""
+
+    n_nodes: int
+    seconds: float
+    ops: dict[str, int]
+    rounds: dict[str, Round]
+    """Each node's first round."""
+
+    @property
+    def total_ops(self) -> int:
+        return sum(n for name, n in self.ops.items() if name != "watch_event")
+
+
+def start_nodes(
+    endpoint: str,
+    run_id: str,
+    names: Iterable[str],
+    limits: Limits,
+    *,
+    counter: OpCounter | None = None,
+    **node_kwargs: object,
+) -> list[SimulatedNode]:
+    """Build one client per node (counted when ``counter`` is given) and start them."""
+    nodes = []
+    for name in names:
+        kv: KVStore = EtcdKV(endpoint)
+        if counter is not None:
+            kv = CountingKV(kv, counter)
+        node = SimulatedNode(kv, run_id, name, limits, **node_kwargs)  # type: ignore[arg-type]
+        nodes.append(node)
+    for node in nodes:
+        node.start()
+    return nodes
+
+
+def stop_nodes(nodes: Iterable[SimulatedNode], *, revoke: bool = True) -> None:
+    """Halt every loop first, so one node's leave does not wake all the others."""
+    nodes = list(nodes)
+    for node in nodes:
+        node.halt()
+    for node in nodes:
+        node.stop(revoke=revoke)
+        node.kv.close()
+
+
+def form_round(
+    endpoint: str,
+    run_id: str,
+    n_nodes: int,
+    *,
+    ttl: timedelta = timedelta(seconds=10),
+    timeout: float = 60.0,
+    **node_kwargs: object,
+) -> FormResult:
+    """Start ``n_nodes`` nodes with ``--nnodes n:n`` and time until all are in round 0.
+
+    Clients are connected before the clock starts (a real node connects before it
+    joins); the time covers registration, the proposal and every node seeing it.
+    Operations are counted over the same window.
+
+    Raises:
+        TimeoutError: the round did not form within ``timeout``.
+    """
+    limits = Limits(min_nodes=n_nodes, max_nodes=n_nodes)
+    counter = OpCounter()
+    clients = [CountingKV(EtcdKV(endpoint), counter) for _ in range(n_nodes)]
+    nodes = [
+        SimulatedNode(
+            kv, run_id, f"node-{i:03d}", limits, ttl=ttl, **node_kwargs  # type: ignore[arg-type]
+        )
+        for i, kv in enumerate(clients)
+    ]
+    counter.reset()
+    began = time.monotonic()
+    try:
+        for node in nodes:
+            node.start()
+        deadline = began + timeout
+        rounds_ = {
+            node.node_id: node.wait_for_round(
+                lambda r: r.number == 0, max(0.0, deadline - time.monotonic())
+            )
+            for node in nodes
+        }
+        seconds = time.monotonic() - began
+        ops = counter.snapshot()
+    finally:
+        stop_nodes(nodes)
+    return FormResult(n_nodes=n_nodes, seconds=seconds, ops=ops, rounds=rounds_)

@@ -1,0 +1,312 @@
+"""The agent's pure decisions: what a node does for each thing it can observe."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from datetime import timedelta
+
+import pytest
+
+from agents import policy
+from agents.policy import (
+    AgentState,
+    AlarmVerdict,
+    Exit,
+    Failed,
+    FailureFacts,
+    FailureStep,
+    Finished,
+    Left,
+    Observation,
+    Phase,
+    Settings,
+)
+from agents.workers import WorkerExit, WorkerState
+from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round, Snapshot, Wait
+
+SETTINGS = Settings(node_id="a", limits=Limits(min_nodes=2, max_nodes=3, last_call=5.0),
+                    monitor_interval=timedelta(seconds=0.1), join_timeout=timedelta(seconds=60),
+                    reform_timeout=timedelta(seconds=30), max_restarts=2)
+NOW = 1000.0
+
+
+def nodes(*names: str) -> dict[str, NodeInfo]:
+    return {n: NodeInfo(node_id=n, host=f"h-{n}", nproc=1, joined_revision=10 + i)
+            for i, n in enumerate(names)}
+
+
+def round_of(*members: str, number: int = 1, token: int = 50) -> Round:
+    return Round(number=number, members=members, nprocs=(1,) * len(members),
+                 hosts=tuple(f"h-{m}" for m in members), token=token)
+
+
+R1 = round_of("a", "b", number=1)
+R2 = round_of("a", "b", "c", number=2, token=60)
+IN_R1 = Snapshot(round=R1, nodes=nodes("a", "b"))
+RUNNING_R1 = AgentState(phase=Phase.RUNNING, round=R1, ever_ran=True)
+FAIL = WorkerExit(local_rank=0, pid=7, exitcode=3)
+
+
+def observe(snapshot: Snapshot | None = IN_R1, workers: WorkerState = WorkerState.RUNNING,
+            **kwargs: object) -> Observation:
+    return Observation(now=NOW, now_ms=5, snapshot=snapshot, workers=workers,
+                       **kwargs)  # type: ignore[arg-type]
+
+
+def kinds(decision: policy.Decision) -> list[str]:
+    return [type(a).__name__ for a in decision.actions]
+
+
+# outcomes ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("outcome", "code"), [
+    (Finished("finished"), 0),
+    (Failed("worker 0 on a exited with 1"), 1),
+    (Left(signal.SIGTERM), 143),
+    (Left(signal.SIGINT), 130),
+])
+def test_exit_codes_come_from_the_outcome_type(outcome: policy.Outcome, code: int) -> None:
+    assert policy.exit_code(outcome) == code
+
+
+@pytest.mark.parametrize("outcome", [
+    Finished("finished"), Finished("the job is finishing"),
+    Failed("worker 0 on a exited with 1; the restart budget of 3 is spent"),
+])
+def test_a_closed_record_reads_back_as_the_outcome_that_wrote_it(
+        outcome: Finished | Failed) -> None:
+    record = policy.closed_record(outcome)
+    assert policy.closed_outcome(record) == outcome
+    assert record.startswith("failed: ") == isinstance(outcome, Failed)  # status shows it
+
+
+# one turn of the loop --------------------------------------------------------------------
+CASES = [
+    # (name, state, observation, expected action kinds, expected phase after)
+    ("leave signal first", RUNNING_R1, observe(leave_signal=signal.SIGTERM), ["Exit"],
+     Phase.RUNNING),
+    ("etcd down: workers keep running", RUNNING_R1, observe(store_error=True), ["Sleep"],
+     Phase.RUNNING),
+    ("too few nodes: wait", AgentState(), observe(Snapshot(round=None, nodes=nodes("a")),
+                                                  WorkerState.IDLE), ["Sleep"], Phase.IDLE),
+    ("all nodes there: propose", AgentState(),
+     observe(Snapshot(round=None, nodes=nodes("a", "b", "c")), WorkerState.IDLE),
+     ["ProposeRound"], Phase.IDLE),
+    ("a round with us: start", AgentState(), observe(workers=WorkerState.IDLE), ["StartWorkers"],
+     Phase.IDLE),
+    ("same round, healthy", RUNNING_R1, observe(), ["Sleep"], Phase.RUNNING),
+    ("same round, not re-read", RUNNING_R1, observe(None), ["Sleep"], Phase.RUNNING),
+    ("same round, succeeded", RUNNING_R1, observe(workers=WorkerState.SUCCEEDED), ["Succeed"],
+     Phase.RUNNING),
+    ("same round, failed", RUNNING_R1, observe(workers=WorkerState.FAILED, exits=(FAIL,)),
+     ["HandleFailure"], Phase.RUNNING),
+    ("new round, restart-mode workers: restart them", RUNNING_R1,
+     observe(Snapshot(round=R2, nodes=nodes("a", "b", "c"))), ["StopWorkers", "StartWorkers"],
+     Phase.IDLE),
+    ("new round, in-process workers: follow", RUNNING_R1,
+     observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")), acks=(1,)), ["FollowRound"],
+     Phase.RUNNING),
+    ("new round, a dead in-process worker: a failure", RUNNING_R1,
+     observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")), WorkerState.FAILED, acks=(1,),
+             exits=(FAIL,)), ["HandleFailure"], Phase.RUNNING),
+    ("peer lost below min: stop and wait", RUNNING_R1,
+     observe(Snapshot(round=R1, nodes=nodes("a"))), ["StopWorkers", "Sleep"], Phase.IDLE),
+    ("standby workers are not stopped while waiting", dataclasses.replace(
+        RUNNING_R1, phase=Phase.STANDBY, round=dataclasses.replace(R1, number=-1)),
+     observe(Snapshot(round=R1, nodes=nodes("a"))), ["Sleep"], Phase.STANDBY),
+    ("standby admitted: follow", dataclasses.replace(
+        RUNNING_R1, phase=Phase.STANDBY, round=dataclasses.replace(R1, number=-1)),
+     observe(acks=(-1,)), ["FollowRound"], Phase.STANDBY),
+    ("closed as failed", RUNNING_R1,
+     observe(dataclasses.replace(IN_R1, closed="failed: boom")), ["Exit"], Phase.RUNNING),
+]
+
+
+@pytest.mark.parametrize(("state", "obs", "actions", "phase"),
+                         [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_decide(state: AgentState, obs: Observation, actions: list[str], phase: Phase) -> None:
+    decision = policy.decide(state, obs, SETTINGS)
+    assert kinds(decision) == actions
+    assert decision.state.phase is phase
+
+
+def test_leaving_and_closing_end_with_typed_outcomes() -> None:
+    leave = policy.decide(RUNNING_R1, observe(leave_signal=signal.SIGINT), SETTINGS)
+    assert leave.actions == (Exit(Left(signal.SIGINT)),)
+    closed = policy.decide(RUNNING_R1, observe(dataclasses.replace(IN_R1, closed="finished")),
+                           SETTINGS)
+    assert closed.actions == (Exit(Finished("finished")),)
+
+
+def test_join_times_out_only_before_the_first_round() -> None:
+    lonely = Snapshot(round=None, nodes=nodes("a"))
+    late = observe(lonely, WorkerState.IDLE, waited=61.0)
+    assert kinds(policy.decide(AgentState(), late, SETTINGS)) == ["JoinTimedOut", "Sleep"]
+    ran = AgentState(ever_ran=True)
+    assert kinds(policy.decide(ran, late, SETTINGS)) == ["Sleep"]
+    assert kinds(policy.decide(AgentState(), observe(lonely, WorkerState.IDLE, waited=59.0),
+                               SETTINGS)) == ["Sleep"]
+
+
+def test_last_call_start_is_kept_in_the_state() -> None:
+    two = Snapshot(round=None, nodes=nodes("a", "b"))
+    first = policy.decide(AgentState(), observe(two, WorkerState.IDLE), SETTINGS)
+    assert first.state.quorum_since == NOW and isinstance(first.rendezvous, Wait)
+    later = dataclasses.replace(observe(two, WorkerState.IDLE), now=NOW + 5.0)
+    assert kinds(policy.decide(first.state, later, SETTINGS)) == ["ProposeRound"]
+
+
+def test_starting_and_following_move_the_state() -> None:
+    first = policy.started(AgentState(), R1)
+    assert (first.phase, first.round, first.restart_count) == (Phase.RUNNING, R1, 0)
+    again = policy.started(policy.stopped(first), R2)
+    assert again.restart_count == 1  # torchrun's restart count
+    follow = policy.following(first, R2, now=NOW, reform_timeout=timedelta(seconds=30))
+    assert (follow.phase, follow.round, follow.ack_deadline) == (Phase.REFORMING, R2, NOW + 30)
+
+
+@pytest.mark.parametrize(("acks", "now", "actions", "phase"), [
+    ((2,), NOW, ["PublishInProcess", "Sleep"], Phase.RUNNING),  # joined: settled
+    ((1,), NOW, ["PublishInProcess", "Sleep"], Phase.REFORMING),  # not yet
+    ((1,), NOW + 31, ["StopWorkers", "Sleep"], Phase.IDLE),  # too late: restart mode
+])
+def test_reforming_workers_settle_or_are_restarted(acks: tuple[int, ...], now: float,
+                                                   actions: list[str], phase: Phase) -> None:
+    state = policy.following(RUNNING_R1, R2, now=NOW, reform_timeout=timedelta(seconds=30))
+    obs = dataclasses.replace(observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")), acks=acks),
+                              now=now)
+    decision = policy.decide(state, obs, SETTINGS)
+    assert kinds(decision) == actions
+    assert decision.state.phase is phase
+
+
+def test_in_process_recovery_is_published_once() -> None:
+    first = policy.decide(RUNNING_R1, observe(acks=(1,)), SETTINGS)
+    assert kinds(first) == ["PublishInProcess", "Sleep"]
+    assert kinds(policy.decide(first.state, observe(acks=(1,)), SETTINGS)) == ["Sleep"]
+
+
+def test_a_fenced_node_asks_for_a_restart_round_when_its_round_still_stands() -> None:
+    fenced = policy.fenced(RUNNING_R1)
+    assert (fenced.phase, fenced.round, fenced.running) == (Phase.FENCED, R1, None)
+    assert policy.fenced(fenced) == fenced  # a second fence keeps the round to rejoin
+    decision = policy.decide(fenced, observe(workers=WorkerState.IDLE), SETTINGS)
+    (action,) = decision.actions
+    assert isinstance(action, policy.ProposeRound)
+    assert action.proposal.round.members == R1.members and action.proposal.round.number == 2
+    assert action.proposal.round.reason == "a rejoined"
+    assert decision.state.phase is Phase.IDLE
+    moved_on = policy.decide(fenced, observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")),
+                                             WorkerState.IDLE), SETTINGS)
+    assert moved_on.actions == (policy.StartWorkers(R2),)
+
+
+def test_a_new_alarm_in_our_round_is_answered_once() -> None:
+    alarmed = dataclasses.replace(IN_R1, alarm=(1, 900))
+    first = policy.decide(RUNNING_R1, observe(alarmed), SETTINGS)
+    assert first.actions == (policy.AnswerAlarm(R1),) and first.state.alarm_seen == 900
+    assert kinds(policy.decide(first.state, observe(alarmed), SETTINGS)) == ["Sleep"]
+    stale = dataclasses.replace(IN_R1, alarm=(0, 901))  # an older round's alarm
+    assert kinds(policy.decide(first.state, observe(stale), SETTINGS)) == ["Sleep"]
+
+
+@pytest.mark.parametrize(("dead", "unsure", "workers", "verdict", "proposes"), [
+    (["b"], [], WorkerState.RUNNING, AlarmVerdict.HANDLED, False),
+    ([], ["b"], WorkerState.RUNNING, AlarmVerdict.CARRY_ON, False),  # hung: its lease decides
+    ([], [], WorkerState.FAILED, AlarmVerdict.CARRY_ON, False),  # our own worker died
+    ([], [], WorkerState.RUNNING, AlarmVerdict.HANDLED, True),  # all answer: re-form
+])
+def test_alarm_verdict(dead: list[str], unsure: list[str], workers: WorkerState,
+                       verdict: AlarmVerdict, proposes: bool) -> None:
+    got, proposal = policy.alarm_verdict(R1, dead=dead, unsure=unsure, workers=workers, now_ms=5)
+    assert got is verdict and (proposal is not None) == proposes
+
+
+# the end of a job -------------------------------------------------------------------------
+def test_a_node_admitted_as_the_job_finished_closes_it_and_leaves() -> None:
+    alone = Snapshot(round=R1, nodes=nodes("a"), completing=True)
+    decision = policy.decide(AgentState(), observe(alone, WorkerState.IDLE), SETTINGS)
+    assert kinds(decision) == ["CloseRun", "Exit"]
+    assert all(isinstance(getattr(a, "outcome"), Finished) for a in decision.actions)
+
+
+@pytest.mark.parametrize(("state", "workers", "acks", "expected"), [
+    (AgentState(), WorkerState.IDLE, (), True),  # no workers at all
+    (AgentState(), WorkerState.RUNNING, (0,), True),  # in-process, never joined round 1
+    (AgentState(), WorkerState.RUNNING, (1,), False),  # joined: may still write outputs
+    (AgentState(), WorkerState.RUNNING, (), False),  # restart-mode workers
+    (RUNNING_R1, WorkerState.SUCCEEDED, (), False),
+])
+def test_finished_without_us(state: AgentState, workers: WorkerState, acks: tuple[int, ...],
+                             expected: bool) -> None:
+    alone = Snapshot(round=R1, nodes=nodes("a"), completing=True)
+    obs = observe(alone, workers, acks=acks)
+    assert policy.finished_without_us(state, alone, obs, "a") is expected
+
+
+# joining -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("snapshot", "standby"), [
+    (dataclasses.replace(IN_R1, in_process=True), False),  # we are a member already
+    (Snapshot(round=R1, nodes=nodes("b"), in_process=True), False),
+    (Snapshot(round=round_of("b", "c"), nodes=nodes("b", "c"), in_process=True), True),
+    (Snapshot(round=round_of("b", "c"), nodes=nodes("b", "c")), False),  # restart mode
+    (Snapshot(round=round_of("b", "c"), nodes={}, in_process=True, completing=True), False),
+])
+def test_joins_in_standby(snapshot: Snapshot, standby: bool) -> None:
+    assert policy.joins_in_standby(snapshot, "a") is standby
+
+
+def test_a_finished_run_with_nobody_left_is_stale() -> None:
+    assert policy.is_stale_run(Snapshot(round=R1, nodes={}, closed="finished"))
+    assert not policy.is_stale_run(Snapshot(round=R1, nodes=nodes("b"), closed="finished"))
+    assert not policy.is_stale_run(Snapshot(round=R1, nodes={}))
+
+
+@pytest.mark.parametrize(("state", "dirty", "since", "read"), [
+    (RUNNING_R1, False, 0.5, False),
+    (RUNNING_R1, False, 1.0, True),
+    (RUNNING_R1, True, 0.0, True),
+    (AgentState(), False, 0.0, True),
+    (policy.following(RUNNING_R1, R2, now=NOW, reform_timeout=timedelta(1)), False, 0.0, True),
+])
+def test_should_read(state: AgentState, dirty: bool, since: float, read: bool) -> None:
+    assert policy.should_read(state, dirty=dirty, since_read=since, settings=SETTINGS) is read
+
+
+# worker failures -------------------------------------------------------------------------------
+def facts(snapshot: Snapshot, *, in_process: bool = False) -> FailureFacts:
+    return FailureFacts(R1, snapshot, in_process, FAIL, "a", now_ms=5)
+
+
+@pytest.mark.parametrize(("snapshot", "in_process", "step"), [
+    (dataclasses.replace(IN_R1, completing=True), False,
+     Failed("a worker exited with 3 while the job was finishing")),
+    (Snapshot(round=R2, nodes=nodes("a", "b", "c")), False, FailureStep.IGNORE),
+    (Snapshot(round=R2, nodes=nodes("a", "b", "c")), True, FailureStep.CLAIM),
+    (IN_R1, False, FailureStep.PROBE),
+    (IN_R1, True, FailureStep.PROBE),
+    (dataclasses.replace(IN_R1, closed="failed: rank 0 failed at step 5: KeyError: 'x'"), True,
+     Failed("rank 0 failed at step 5: KeyError: 'x'")),
+])
+def test_first_step_after_a_worker_failure(snapshot: Snapshot, in_process: bool,
+                                           step: FailureStep | Failed) -> None:
+    assert policy.on_worker_failure(facts(snapshot, in_process=in_process)) == step
+
+
+def test_restart_budget_and_the_ways_to_restart() -> None:
+    spent = policy.on_restart_counted(facts(IN_R1), 3, SETTINGS)
+    assert spent == Failed("worker 0 on a exited with 3; the restart budget of 2 is spent")
+
+    again = policy.on_restart_counted(facts(IN_R1), 2, SETTINGS)
+    assert isinstance(again, policy.ProposeRound)
+    assert again.proposal.round.reason == "worker 0 on a exited with 3 (restart 2/2)"
+    assert again.proposal.round.members == R1.members and again.proposal.expected_token == 50
+
+    three = Snapshot(round=round_of("a", "b", "c"), nodes=nodes("a", "b", "c"))
+    standby = policy.on_restart_counted(facts(three, in_process=True), 1, SETTINGS)
+    assert isinstance(standby, policy.RestartInStandby) and standby.round == three.round
+    # At min nodes, stepping out would stop the job: everyone restarts instead.
+    assert isinstance(policy.on_restart_counted(facts(IN_R1, in_process=True), 1, SETTINGS),
+                      policy.ProposeRound)
+    moved_on = Snapshot(round=R2, nodes=nodes("a", "b"))
+    assert policy.on_restart_counted(facts(moved_on), 1, SETTINGS) is None
