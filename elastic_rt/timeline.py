@@ -210,12 +210,19 @@ def find_recoveries(events: Sequence[Event]) -> list[Recovery]:
                 world_before=int(base.metadata.get("world_size", 0)),
                 world_after=int(event.metadata.get("world_size", 0)),
                 phases=phases,
-                is_start_seen=not lost or start < event.timestamp_ms,
+                is_start_seen=not lost or _last_step_seen(events, lost, window_start, event),
             )
         )
         chain = []
         window_start = phases[-1].end_ms
     return recoveries
+
+
+def _last_step_seen(events: Sequence[Event], lost: set[str], since_ms: int, formed: Event) -> bool:
+    """Whether a lost node's last step is in the window: without it, the time between
+    its death and the first report (a survivor's failure, the lease expiry) is unseen."""
+    return any(e.name == "step.completed" and e.node in lost
+               and since_ms < e.timestamp_ms <= formed.timestamp_ms for e in events)  # fmt: skip
 
 
 def _is_overtaken(events: Sequence[Event], formed: Event, following: Event | None) -> bool:

@@ -195,7 +195,7 @@ def test_agent_events_alone_say_what_a_restart_leaves_uncounted() -> None:
     (recovery,) = find_recoveries(restart_run(worker_events=False))
     assert recovery.start_ms == T0 + 8800 and recovery.end_ms == T0 + 10450
     assert not recovery.is_end_seen
-    assert duration_text(recovery) == "1.6 s + start-up"
+    assert duration_text(recovery) == "1.6 s + detection + start-up"
 
 
 def _axes(figure: Any) -> dict[str, Any]:
@@ -234,7 +234,7 @@ def test_a_short_recovery_gets_a_zoomed_panel_in_milliseconds() -> None:
     zoomed = [ax for ax in draw(events, find_recoveries(events)).axes
               if "zoomed" in ax.get_title(loc="left")]  # fmt: skip
     (ax,) = zoomed
-    assert ax.get_title(loc="left") == "round 2 zoomed: 1.6 s + start-up"
+    assert ax.get_title(loc="left") == "round 2 zoomed: 1.6 s + detection + start-up"
     assert ax.get_xlim()[1] == pytest.approx(1650 * 1.05)
 
 
