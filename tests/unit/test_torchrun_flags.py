@@ -93,3 +93,12 @@ def test_rdzv_conf_sets_timeouts_and_names_the_known_keys() -> None:
         flags.parse_rdzv_conf("read_timeout=5")
     with pytest.raises(ConfigError, match="SECONDS"):
         flags.parse_rdzv_conf("join_timeout=-1")
+
+
+def test_our_timeout_flags_win_over_rdzv_conf_which_wins_over_the_default() -> None:
+    from elastic_rt.cli import _rdzv_seconds
+
+    flag, conf, default = (timedelta(seconds=s) for s in (1, 2, 3))
+    assert _rdzv_seconds(flag, conf, default) == flag
+    assert _rdzv_seconds(None, conf, default) == conf
+    assert _rdzv_seconds(None, None, default) == default
