@@ -15,7 +15,7 @@ import shutil
 import time
 from typing import Callable
 
-from agents.acks import read_acks
+from elastic_rt.acks import read_acks
 from agents.config import AgentConfig
 from agents.policy import acks_in_process
 from agents.worker_env import process_env, round_envs, standby_envs

@@ -14,16 +14,16 @@ from typing import Any
 
 _EXPORTS = {
     "Checkpointer": "elastic_rt.checkpoint",
-    "Context": "elastic_rt.worker_context",
+    "Context": "elastic_rt.worker.context",
     "ElasticSampler": "elastic_rt.sampler",
     "GradSync": "elastic_rt.worker.grad_sync",
     "Layout": "elastic_rt.layout",
     "LoaderOptions": "elastic_rt.worker.batches",
     "ModelLimits": "elastic_rt.layout",
     "StepReport": "elastic_rt.worker.loop",
-    "TrainState": "elastic_rt.train_state",
+    "TrainState": "elastic_rt.worker.train_state",
     "bf16_compress": "elastic_rt.worker.grad_sync",
-    "context": "elastic_rt.worker_context",
+    "context": "elastic_rt.worker.context",
     "plan_layout": "elastic_rt.layout",
     "run": "elastic_rt.worker.loop",
 }

@@ -167,6 +167,30 @@ def destroy_groups(groups: Groups | None) -> None:
     logger.info("Process groups of %s destroyed", what)
 
 
+def side_group(training: dist.ProcessGroup | None, timeout: timedelta) -> dist.ProcessGroup | None:
+    """A gloo group over the ranks of ``training`` (default: the world), for work beside
+    training such as checkpoint coordination, so it never queues behind, or breaks, the
+    training collectives. None in a single process without torch.distributed.
+
+    Only the ranks of ``training`` take part (``use_local_synchronization``).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = dist.get_process_group_ranks(training if training is not None else dist.group.WORLD)
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                          use_local_synchronization=True)
+
+
+def destroy_side_group(group: dist.ProcessGroup) -> None:
+    """Destroy a group made by :func:`side_group`; never raises (its peers may be gone)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except Exception as exc:  # the training group may already be gone
+        logger.debug("could not destroy a side group: %s", exc)
+
+
 def _forget_sharding_cache() -> None:
     # DTensor caches sharding decisions keyed by mesh equality, and a new round's mesh of the
     # same shape compares equal to the old one: stale entries would point at destroyed groups.

@@ -71,6 +71,7 @@ from elastic_rt.errors import (
     CorruptShardError,
 )
 from elastic_rt.events import EventSink
+from elastic_rt.process_groups import destroy_side_group, side_group
 
 logger = logging.getLogger(__name__)
 
@@ -435,19 +436,14 @@ class Checkpointer:
         if self._side is not None and self._side[0] is training:
             return self._side[1]
         self._drop_side_group()
-        side = dist.new_group(ranks=dist.get_process_group_ranks(training), backend="gloo",
-                              timeout=self._timeout, use_local_synchronization=True)
+        side = side_group(training, self._timeout)
         self._side = (training, side)
         return side
 
     def _drop_side_group(self) -> None:
         side, self._side = self._side, None
-        if side is None or not dist.is_initialized():
-            return
-        try:
-            dist.destroy_process_group(side[1])
-        except Exception as exc:  # the training group may already be gone
-            logger.debug("could not destroy the checkpoint group: %s", exc)
+        if side is not None:
+            destroy_side_group(side[1])
 
     def _emit(self, event: str, step: int, round_number: int | None, **metadata: Any) -> None:
         if self._events is not None:

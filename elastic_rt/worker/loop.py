@@ -76,8 +76,8 @@ from elastic_rt.errors import (
 )
 from elastic_rt.events import EventSink
 from elastic_rt.layout import ModelLimits, plan_layout
-from elastic_rt.membership import RoundFollower
-from elastic_rt.pg_store import NewerRound, join_round_store, wait_for_ranks
+from elastic_rt.worker.membership import RoundFollower
+from elastic_rt.worker.store import NewerRound, join_round_store, wait_for_ranks
 from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
@@ -95,7 +95,7 @@ from elastic_rt.worker.trainers import (
     Restoring,
     Trainer,
 )
-from elastic_rt.worker_context import Context, set_context
+from elastic_rt.worker.context import Context, set_context
 
 logger = logging.getLogger(__name__)
 

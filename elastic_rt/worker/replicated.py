@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_rt.errors import ConfigError
-from elastic_rt.train_state import TrainState
+from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradientBuckets, GradSync
 

@@ -24,9 +24,14 @@ from elastic_rt.checkpoint.checkpointer import CheckpointInfo
 from elastic_rt.errors import CheckpointNotFoundError, ElasticError
 from elastic_rt.layout import Layout
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.shard_sync import Holder, broadcast_shards, gather_holders, pick_shard_sources
-from elastic_rt.state_sync import broadcast_state, pick_source
-from elastic_rt.train_state import TrainState
+from elastic_rt.worker.shard_sync import (
+    Holder,
+    broadcast_shards,
+    gather_holders,
+    pick_shard_sources,
+)
+from elastic_rt.worker.state_sync import broadcast_state, pick_source
+from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.replicated import (
     ReplicatedStep,
@@ -34,7 +39,7 @@ from elastic_rt.worker.replicated import (
     StepOptions,
     initialize_optimizer_state,
 )
-from elastic_rt.worker_context import Context
+from elastic_rt.worker.context import Context
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import threading
 import time
 from pathlib import Path
 
-from agents.acks import read_acks
+from elastic_rt.acks import read_acks
 from agents.inbox import Inbox
-from elastic_rt.membership import ack_path
+from elastic_rt.acks import ack_path
 
 
 def test_a_fence_from_another_thread_is_taken_once_and_wakes_the_loop() -> None:

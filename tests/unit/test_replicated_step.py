@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from elastic_rt.errors import ConfigError, UserCodeError
-from elastic_rt.train_state import TrainState
+from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.allocator import pin_mmap_threshold
 from elastic_rt.worker.failures import is_peer_failure, user_code
 from elastic_rt.worker.replicated import ReplicatedStep, StepOptions, initialize_optimizer_state

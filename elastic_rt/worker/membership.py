@@ -5,18 +5,17 @@ restarted. A worker keeps its own etcd client and a watch on the run's keys, so
 ``has_newer_round()`` is an in-memory check it can afford at every step boundary.
 It never writes rounds itself: agents decide membership; a worker only raises the
 alarm when a collective fails, acknowledges the round it has joined (a file its
-agent reads), and commits fenced values.
+agent reads, ``elastic_rt.acks``), and commits fenced values.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from datetime import timedelta
 
+from elastic_rt.acks import write_ack
 from elastic_rt.config import WorkerEnv
 from elastic_rt.errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
@@ -24,11 +23,6 @@ from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import Round
 
 logger = logging.getLogger(__name__)
-
-
-def ack_path(agent_dir: str, local_rank: int) -> str:
-    """The file in which a worker tells its agent which round it has joined."""
-    return os.path.join(agent_dir, f"worker-{local_rank}.json")
 
 
 class RoundFollower:
@@ -140,14 +134,8 @@ class RoundFollower:
         self._write_ack(round_.number)
 
     def _write_ack(self, round_number: int) -> None:
-        if not self.env.agent_dir:
-            return
-        path = ack_path(self.env.agent_dir, self.env.local_rank)
-        payload = {"pid": os.getpid(), "round": round_number, "in_process": True}
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle)
-        os.replace(tmp, path)
+        if self.env.agent_dir:
+            write_ack(self.env.agent_dir, self.env.local_rank, round_number)
 
     def close(self) -> None:
         self._cancel()
