@@ -28,7 +28,7 @@ from typing import IO
 import psutil
 
 from agents.output import OutputSpec, Streams, plan_streams
-from agents.torchrun_env import torchrun_env
+from agents.extra_env import with_extras
 from elastic_rt.childproc import dying_with_parent
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class WorkerGroup:
         self, command: list[str], env: dict[str, str], plan: Streams
     ) -> subprocess.Popen[bytes]:
         os.makedirs(os.path.dirname(plan.error_file), exist_ok=True)
-        env = torchrun_env(env, error_file=plan.error_file, role=self.output.role)
+        env = with_extras(env, error_file=plan.error_file, role=self.output.role)
         out = _destination(plan.stdout_file, plan.show_stdout)
         err = _destination(plan.stderr_file, plan.show_stderr)
         proc = subprocess.Popen(

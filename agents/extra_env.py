@@ -18,7 +18,7 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
-def torchrun_env(env: Mapping[str, str], *, error_file: str, role: str) -> dict[str, str]:
+def with_extras(env: Mapping[str, str], *, error_file: str, role: str) -> dict[str, str]:
     """``env`` plus torchrun's error file, NCCL error handling and role name.
 
     A user's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` wins, as under torchrun.
