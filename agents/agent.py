@@ -96,6 +96,7 @@ class Agent:
             standby = policy.joins_in_standby(snapshot, self.info.node_id)
             if not standby:
                 self.keeper.start()
+            self.registry.publish_max_restarts(self.config.max_restarts)
         except StoreConnectionError as exc:
             raise EndpointUnreachableError(
                 f"cannot reach etcd at {self.config.rendezvous.endpoint} ({exc})",
@@ -211,8 +212,12 @@ class Agent:
         first = self.workers.report_failed(action.round, action.exits)
         in_process = self.workers.in_process()
         self._stop_workers("a worker failed")
-        verdict = settle_failure(self.registry, action.round, first, in_process=in_process,
-                                 settings=self.settings)
+        progress = self.registry.progress() or {}
+        step = progress.get("step")
+        cause = self.workers.root_cause(action.round, action.exits, self.info.host,
+                                        step if isinstance(step, int) else None)
+        verdict = settle_failure(self.registry, action.round, first, cause,
+                                 in_process=in_process, settings=self.settings)
         if isinstance(verdict, policy.Failed):
             return self._close(verdict)
         if isinstance(verdict, policy.RestartInStandby):

@@ -10,6 +10,7 @@ from datetime import timedelta
 from agents.output import OutputSpec
 from agents.policy import Settings
 from elastic_rt.config import (
+    DEFAULT_HANG_FACTOR,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_MONITOR_INTERVAL,
     DEFAULT_REFORM_TIMEOUT,
@@ -39,6 +40,8 @@ class AgentConfig:
     store_wait: timedelta = timedelta(seconds=30)
     reform_timeout: timedelta = DEFAULT_REFORM_TIMEOUT
     """In-process workers that have not joined a new round by then are restarted."""
+    hang_factor: float = DEFAULT_HANG_FACTOR
+    """Workers report a stall of this many median step times (see elastic_rt.worker.hang)."""
     output: OutputSpec = OutputSpec()
     """torchrun's --log-dir, --redirects, --tee, --local-ranks-filter and --role."""
 

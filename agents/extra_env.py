@@ -14,7 +14,7 @@ from typing import Mapping
 
 from elastic_rt import config as cfg
 
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+ERROR_FILE_ENV = cfg.ERROR_FILE_ENV
 NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 

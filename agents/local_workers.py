@@ -24,6 +24,7 @@ from elastic_rt.childproc import owned_temp_dir
 from elastic_rt.config import WorkerEnv
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.rounds import Round
+from elastic_rt.root_cause import RootCause, read_error_file
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class LocalWorkers:
         self._shared = WorkerEnv(
             node_id=config.node_id, run_id=rdzv.run_id, endpoint=rdzv.endpoint,
             agent_dir=self.agent_dir, events_file=config.events_file, lease_ttl=rdzv.lease_ttl,
-            auth=rdzv.auth, max_restarts=config.max_restarts,
+            auth=rdzv.auth, max_restarts=config.max_restarts, hang_factor=config.hang_factor,
         )  # fmt: skip
         """What every local worker's environment shares, whatever the round."""
 
@@ -76,6 +77,27 @@ class LocalWorkers:
             self.events.emit("worker.failed", round=round_.number, local_rank=e.local_rank,
                              pid=e.pid, exitcode=e.exitcode)
         return failed[0]
+
+    def root_cause(self, round_: Round, exits: tuple[WorkerExit, ...], host: str,
+                   step: int | None) -> RootCause:
+        """The failure to report: the earliest failed worker that left an error file, else
+        the first failed one (``step``: the job's last step, if the file has none)."""
+        failed = [e for e in exits if e.exitcode != 0]
+        files = self.group.error_files
+        records = [(read_error_file(files[e.local_rank]) if e.local_rank < len(files) else None,
+                    e) for e in failed]  # fmt: skip
+        recorded = [(r, e) for r, e in records if r is not None]
+        record, exit_ = min(recorded, key=lambda p: p[0].time_s or 0) if recorded else records[0]
+        node = self._shared.node_id
+        base = round_.rank_offset(node) if node in round_.members else 0
+        return RootCause(
+            round=round_.number, rank=base + exit_.local_rank, node=node, host=host,
+            time_ms=(record.time_s * 1000 if record and record.time_s
+                     else int(time.time() * 1000)),
+            exitcode=exit_.exitcode, error=record.error if record else "",
+            traceback=record.traceback if record else "",
+            step=record.step if record and record.step is not None else step,
+        )  # fmt: skip
 
     def poll(self) -> tuple[WorkerState, list[WorkerExit]]:
         return self.group.poll()

@@ -30,6 +30,7 @@ from elastic_rt.config import (
 )
 from elastic_rt.rendezvous import rounds
 from elastic_rt.rendezvous.rounds import Limits, Propose, Round, Snapshot, restart_round
+from elastic_rt.root_cause import RootCause
 
 
 # outcomes --------------------------------------------------------------------------
@@ -492,6 +493,8 @@ class FailureFacts:
     """The first failed worker."""
     node_id: str
     now_ms: int = 0
+    cause: RootCause | None = None
+    """What the failed worker left in its error file, if anything."""
 
     @property
     def round_changed(self) -> bool:
@@ -500,8 +503,9 @@ class FailureFacts:
 
     @property
     def what(self) -> str:
+        error = f" ({self.cause.error})" if self.cause and self.cause.has_exception else ""
         return (f"worker {self.first.local_rank} on {self.node_id} exited with "
-                f"{self.first.exitcode}")
+                f"{self.first.exitcode}{error}")
 
 
 class FailureStep(enum.Enum):
@@ -557,3 +561,37 @@ def on_restart_counted(facts: FailureFacts, count: int, settings: Settings
     if not facts.round_changed:
         return ProposeRound(restart_round(facts.round, why, facts.now_ms))
     return None
+
+
+# root causes -------------------------------------------------------------------------------
+def should_report(cause: RootCause, *, claimed: bool) -> bool:
+    """Report our failure as the root cause: it raised, or we counted the round's failure.
+
+    A failure that a membership change explains is never reported: the worker's
+    "connection closed" is not a root cause, and would look deterministic next time.
+    """
+    return claimed or cause.has_exception
+
+
+def supersedes(new: RootCause, old: RootCause | None) -> bool:
+    """``new`` replaces the stored root cause: it is from a later round, or from the same
+    round and it carries the exception where the stored one only had an exit code."""
+    if old is None or old.round < new.round:
+        return True
+    return old.round == new.round and new.has_exception and not old.has_exception
+
+
+def repeated_failure(new: RootCause, previous: RootCause | None) -> Failed | None:
+    """The same exception, raised at the same place and step, after a restart: the error is
+    deterministic, so a second restart would only repeat it (it is retried at most once).
+
+    A script error before any completed step has step None both times, so it counts too.
+    Failures without an exception (a signal, an exit code) are never judged repeated: an
+    OOM kill or a lost host may well pass.
+    """
+    if previous is None or previous.round >= new.round:
+        return None
+    if not (new.has_exception and previous.has_exception) or new.signature != previous.signature:
+        return None
+    return Failed(f"{new.summary()}; the same failure ended the previous attempt, so it is "
+                  "not retried again")

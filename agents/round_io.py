@@ -1,4 +1,5 @@
-"""The agent's round I/O: write a proposed round, agree on its store, settle a failure.
+"""The agent's round I/O: write a proposed round, agree on its store, settle a failure,
+report its root cause.
 
 Each function carries out one step the policy (:mod:`agents.policy`) decided, or
 gathers the facts its next decision needs, and says what happened in events.
@@ -18,6 +19,7 @@ from elastic_rt.etcd_server import free_port
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import NodeInfo, Round
+from elastic_rt.root_cause import RootCause
 
 logger = logging.getLogger(__name__)
 
@@ -71,21 +73,46 @@ def agree_on_store(registry: RunRegistry, round_: Round, me: NodeInfo, *, wait: 
     return None
 
 
-def settle_failure(registry: RunRegistry, round_: Round, first: WorkerExit, *, in_process: bool,
-                   settings: policy.Settings
+def settle_failure(registry: RunRegistry, round_: Round, first: WorkerExit, cause: RootCause, *,
+                   in_process: bool, settings: policy.Settings
                    ) -> policy.Failed | policy.RestartInStandby | policy.ProposeRound | None:
     """After a local worker failed and the workers were stopped: what it costs the job.
 
-    Reads the run again, probes the peers or claims the failure, counts the restart,
-    as :func:`policy.on_worker_failure` and :func:`policy.on_restart_counted` decide.
+    Reads the run again, probes the peers or claims the failure, reports its root cause,
+    counts the restart, as :func:`policy.on_worker_failure`, :func:`policy.repeated_failure`
+    and :func:`policy.on_restart_counted` decide.
     """
     facts = policy.FailureFacts(round_, registry.snapshot(), in_process, first,
-                                settings.node_id, int(time.time() * 1000))
+                                settings.node_id, int(time.time() * 1000), cause)
     step = policy.on_worker_failure(facts)
-    if isinstance(step, policy.Failed) or step is policy.FailureStep.IGNORE:
-        return step if isinstance(step, policy.Failed) else None
+    if isinstance(step, policy.Failed):
+        report_root_cause(registry, cause, claimed=False)  # the user's error closed the run
+        return step
+    if step is policy.FailureStep.IGNORE:
+        return None
     if step is policy.FailureStep.PROBE and probe_members(registry, round_, settings.node_id)[0]:
         return None  # a dead peer explains it: a membership change, free
-    if not registry.claim_failure(round_.number, facts.what):
-        return None  # another node of this round counts it
+    claimed = registry.claim_failure(round_.number, facts.what)
+    repeated = report_root_cause(registry, cause, claimed=claimed)
+    if repeated is not None or not claimed:
+        return repeated  # None: another node of this round counts it
     return policy.on_restart_counted(facts, registry.count_restart(), settings)
+
+
+def report_root_cause(registry: RunRegistry, cause: RootCause, *, claimed: bool
+                      ) -> policy.Failed | None:
+    """Store ``cause`` as the run's root cause where it supersedes the stored one, and
+    print torchrun's table: once per failure, by the node whose worker failed first.
+
+    Returns a :class:`policy.Failed` when it repeats the previous attempt's failure.
+    """
+    if not policy.should_report(cause, claimed=claimed):
+        return None
+    while True:
+        stored, revision = registry.root_cause()
+        if not policy.supersedes(cause, stored):
+            return None
+        if registry.put_root_cause(cause, revision):
+            break
+    logger.error("worker failed; root cause:\n%s", cause.table())
+    return policy.repeated_failure(cause, stored)

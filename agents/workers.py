@@ -67,6 +67,8 @@ class WorkerGroup:
         self._run_dir: str | None = None
         self._attempt = -1
         self._procs: list[subprocess.Popen[bytes]] = []
+        self.error_files: list[str] = []
+        """Per local rank, where the current workers' error files go (torchrun's layout)."""
         self._tees: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -82,6 +84,7 @@ class WorkerGroup:
                 raise RuntimeError("workers still running; stop them first")
             plans = plan_streams(self.output, len(envs), self._next_attempt_dir())
             self._procs = [self._spawn(command, env, plan) for env, plan in zip(envs, plans)]
+            self.error_files = [plan.error_file for plan in plans]
             return [p.pid for p in self._procs]
 
     def _next_attempt_dir(self) -> str:

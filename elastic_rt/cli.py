@@ -130,6 +130,11 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--join-timeout", type=_seconds, default=None,
                    help="seconds to wait for MIN nodes before giving up "
                         f"(default {cfg.DEFAULT_JOIN_TIMEOUT.total_seconds():g})")
+    # None: the environment decides, else the default (precedence CLI > env > default).
+    p.add_argument("--hang-factor", type=float, default=None,
+                   help="report ranks with no step for this many median step times, with "
+                        f"their stacks (env {cfg.HANG_FACTOR_ENV}, "
+                        f"default {cfg.DEFAULT_HANG_FACTOR:g}; 0 turns it off)")
     p.add_argument("--node-id", default=None, help="this node's name (default host-pid)")
     p.add_argument("--local-addr", "--local_addr", default=None,
                    help="address peers reach this node at "
@@ -386,6 +391,7 @@ def _launch(args: argparse.Namespace) -> int:
             nproc_per_node=nproc,
             max_restarts=args.max_restarts,
             monitor_interval=args.monitor_interval,
+            hang_factor=_hang_factor(args.hang_factor),
             grace_period=args.shutdown_timeout,
             host=host,
             events_file=args.events_file,
@@ -396,6 +402,20 @@ def _launch(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+
+
+def _hang_factor(flag: float | None) -> float:
+    """--hang-factor, else $ELASTIC_RT_HANG_FACTOR, else the default.
+
+    Raises:
+        ConfigError: a negative or infinite factor.
+    """
+    if flag is None:
+        return cfg.env_factor(os.environ, cfg.HANG_FACTOR_ENV, cfg.DEFAULT_HANG_FACTOR)
+    if not 0 <= flag < float("inf"):
+        raise ConfigError(f"--hang-factor {flag} is not a non-negative number",
+                          "Pass a number such as 10, or 0 to turn hang reports off.")
+    return flag
 
 
 def _fqdn() -> str:

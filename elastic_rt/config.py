@@ -31,6 +31,7 @@ MASTER_PORT_ENV = "MASTER_PORT"
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 # Our extras.
 ENDPOINT_ENV = "ELASTIC_RT_ENDPOINT"
@@ -49,6 +50,7 @@ ETCD_TLS_ENV = "ELASTIC_RT_ETCD_TLS"
 AGENT_DIR_ENV = "ELASTIC_RT_AGENT_DIR"
 COLLECTIVE_TIMEOUT_ENV = "ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC"
 LOG_LEVEL_ENV = "ELASTIC_RT_LOG_LEVEL"
+HANG_FACTOR_ENV = "ELASTIC_RT_HANG_FACTOR"
 
 # Defaults, each written here once; the CLI, the agent and the workers take them from here.
 DEFAULT_LEASE_TTL = timedelta(seconds=5)
@@ -56,6 +58,8 @@ DEFAULT_LAST_CALL = timedelta(seconds=1)
 DEFAULT_JOIN_TIMEOUT = timedelta(seconds=600)
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_MONITOR_INTERVAL = timedelta(seconds=0.1)
+DEFAULT_HANG_FACTOR = 10.0
+"""A rank with no step for this many median step times is reported as hung (0: never)."""
 DEFAULT_REFORM_TIMEOUT = timedelta(seconds=120)
 """In-process workers that have not joined a new round by then are restarted."""
 
@@ -76,6 +80,25 @@ def env_seconds(env: Mapping[str, str], name: str) -> timedelta | None:
     if not math.isfinite(seconds) or seconds < 0:
         raise ConfigError(f"{name}={text!r} is not a number of seconds", f"Set {name} to e.g. 5.")
     return timedelta(seconds=seconds)
+
+
+def env_factor(env: Mapping[str, str], name: str, default: float) -> float:
+    """A non-negative number held by variable ``name``; ``default`` when unset.
+
+    Raises:
+        ConfigError: the value is not a non-negative number.
+    """
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"{name}={text!r} is not a non-negative number",
+                          f"Set {name} to a number such as 10, or 0 to turn it off.")
+    return value
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -249,6 +272,8 @@ class WorkerEnv:
     lease_ttl: timedelta = DEFAULT_LEASE_TTL
     collective_timeout: timedelta | None = None
     """How long a training collective may wait; None: the lease TTL decides."""
+    hang_factor: float = DEFAULT_HANG_FACTOR
+    """See :mod:`elastic_rt.worker.hang`."""
     auth: EtcdAuth = field(default_factory=EtcdAuth)
 
     @property
@@ -288,6 +313,7 @@ class WorkerEnv:
             events_file=env.get(EVENTS_FILE_ENV) or None,
             lease_ttl=env_seconds(env, LEASE_TTL_ENV) or DEFAULT_LEASE_TTL,
             collective_timeout=env_seconds(env, COLLECTIVE_TIMEOUT_ENV),
+            hang_factor=env_factor(env, HANG_FACTOR_ENV, DEFAULT_HANG_FACTOR),
             auth=EtcdAuth.from_env(env),
         )
 
@@ -304,6 +330,7 @@ class WorkerEnv:
             ENDPOINT_ENV: self.endpoint,
             AGENT_DIR_ENV: self.agent_dir,
             LEASE_TTL_ENV: _seconds_text(self.lease_ttl),
+            HANG_FACTOR_ENV: repr(self.hang_factor),
             **self.auth.to_env(),
         }
         if self.in_round:

@@ -34,6 +34,7 @@ EVENT_NAMES = frozenset(
         "step.resumed",
         "step.completed",
         "step.failed",
+        "step.stalled",
         "checkpoint.committed",
         "checkpoint.restored",
         "worker.started",

@@ -9,7 +9,9 @@ The read is a snapshot: a round can form a moment after it. Nothing is written.
 Keys read, under ``/elastic_rt/<run_id>/`` (see :mod:`elastic_rt.rendezvous.registry`):
 ``nodes/*``, ``round``, ``restarts``, ``max_restarts``, ``completing``, ``closed``,
 ``layout`` (JSON ``{"round", "layout": {"dp", "pp", "tp"}}``, written by rank 0),
-``checkpoint`` (JSON ``{"name", "step", "url"}``, or a bare name).
+``checkpoint`` (JSON ``{"name", "step", "url"}``, or a bare name), ``progress`` (JSON
+``{"round", "step", "steps_per_s", "ms"}``, written by rank 0), ``root_cause`` (JSON, a
+:class:`~elastic_rt.root_cause.RootCause`, written by the agent that saw the failure).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError, Un
 from elastic_rt.events import Event
 from elastic_rt.rendezvous.kv import KeyValue, KVStore
 from elastic_rt.rendezvous.rounds import NodeInfo, Round
+from elastic_rt.root_cause import RootCause
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ class RunStatus:
     checkpoint: dict[str, Any] | None
     restarts_used: int
     max_restarts: int | None
+    progress: dict[str, Any] | None = None
+    root_cause: dict[str, Any] | None = None
     events: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -139,7 +144,15 @@ def status_from_keys(
         checkpoint=_json_key(items, "checkpoint", bare="name"),
         restarts_used=_int_key(items, "restarts") or 0,
         max_restarts=_int_key(items, "max_restarts"),
+        progress=_json_key(items, "progress"),
+        root_cause=_root_cause(items),
     )
+
+
+def _root_cause(items: dict[str, KeyValue]) -> dict[str, Any] | None:
+    item = items.get("root_cause")
+    cause = RootCause.from_json(item.value) if item else None
+    return asdict(cause) if cause else None
 
 
 def _text(items: dict[str, KeyValue], name: str) -> str | None:
@@ -251,9 +264,12 @@ def render(status: RunStatus) -> str:
     """The status as a short aligned table, the way an operator reads it."""
     lines = [f"run         {status.run_id}  ({status.state})   etcd {status.endpoint}"]
     lines += _round_lines(status)
+    lines.append(f"step        {_progress_text(status.progress)}")
     lines.append(f"layout      {_layout_text(status)}")
     lines.append(f"checkpoint  {_checkpoint_text(status.checkpoint)}")
     lines.append(f"restarts    {_restarts_text(status)}")
+    if status.root_cause:
+        lines += _root_cause_lines(RootCause(**status.root_cause))
     lines += ["", *_table(status.nodes)]
     if status.events:
         lines += ["", f"events ({status.events['file']})"]
@@ -271,6 +287,23 @@ def _round_lines(status: RunStatus) -> list[str]:
         f"round       {r['number']}  ({r['reason'] or 'no reason given'})  token {r['token']}{age}",
         f"world size  {r['world_size']} workers on {len(r['members'])} nodes",
     ]
+
+
+def _progress_text(data: dict[str, Any] | None) -> str:
+    if not data or not isinstance(data.get("step"), int):
+        return "none completed yet (rank 0 reports it)"
+    rate = data.get("steps_per_s")
+    parts = [f"{rate:.2f} steps/s" if isinstance(rate, (int, float)) else "rate not known yet"]
+    if isinstance(data.get("ms"), int):
+        parts.append(time.strftime("as of %H:%M:%S", time.localtime(data["ms"] / 1000)))
+    return f"{data['step']}  ({', '.join(parts)})"
+
+
+def _root_cause_lines(cause: RootCause) -> list[str]:
+    """The one-line summary, and where it was raised (the full traceback is in the JSON)."""
+    lines = [f"root cause  {cause.summary()} (round {cause.round})"]
+    frame = cause.signature[1]
+    return lines + [f"            {frame}"] if frame else lines
 
 
 def _layout_text(status: RunStatus) -> str:

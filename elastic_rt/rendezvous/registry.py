@@ -14,6 +14,10 @@ Key layout under ``/elastic_rt/<run_id>/``:
                     before it registers, so admitting it stalls nobody
 ``closed``          why the job ended (finished or failed); agents exit
 ``checkpoint``      name of the last committed checkpoint, written fenced
+``max_restarts``    the job's restart budget, written by every agent at start
+``layout``          JSON ``{"round", "layout"}`` of the current round, rank 0, fenced
+``progress``        JSON ``{"round", "step", "steps_per_s", "ms"}``, rank 0, fenced
+``root_cause``      the last failure's :class:`~elastic_rt.root_cause.RootCause`
 ==================  ===========================================================
 
 Two run ids never share a key, so two jobs on one etcd never see each other.
@@ -28,6 +32,7 @@ import time
 from elastic_rt.errors import FencedOutError
 from elastic_rt.rendezvous.kv import KVStore
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
+from elastic_rt.root_cause import RootCause
 
 
 class RunRegistry:
@@ -143,6 +148,31 @@ class RunRegistry:
     def closed_reason(self) -> str | None:
         item = self.kv.get(self.key("closed"))
         return item.value.decode() if item else None
+
+    def publish_max_restarts(self, budget: int) -> None:
+        """For ``status``: every agent is given the same budget, so any may write it."""
+        self.kv.put(self.key("max_restarts"), str(budget).encode())
+
+    def progress(self) -> dict[str, object] | None:
+        """The job's last published step (see the ``progress`` key), or None."""
+        item = self.kv.get(self.key("progress"))
+        try:
+            data = json.loads(item.value) if item else None
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    def root_cause(self) -> tuple[RootCause | None, int]:
+        """The recorded root cause and the key's revision (0: none yet)."""
+        item = self.kv.get(self.key("root_cause"))
+        if item is None:
+            return None, 0
+        return RootCause.from_json(item.value), item.mod_revision
+
+    def put_root_cause(self, cause: RootCause, expect_revision: int) -> bool:
+        """Write ``cause`` unless the key changed since it was read at ``expect_revision``."""
+        key = self.key("root_cause")
+        return self.kv.put_if(key, cause.to_json(), expect={key: expect_revision}) is not None
 
     # fenced commits --------------------------------------------------------------
     def commit_fenced(self, name: str, value: bytes, token: int) -> int:

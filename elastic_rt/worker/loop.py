@@ -52,8 +52,10 @@ after it are done again (work lost <= the checkpoint interval).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,7 +66,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from elastic_rt.checkpoint import Checkpointer
-from elastic_rt.config import DEFAULT_REFORM_TIMEOUT, WorkerEnv
+from elastic_rt.config import DEFAULT_REFORM_TIMEOUT, ERROR_FILE_ENV, WorkerEnv
 from elastic_rt.errors import (
     CheckpointError,
     ConfigError,
@@ -81,11 +83,14 @@ from elastic_rt.worker.store import NewerRound, join_round_store, wait_for_ranks
 from elastic_rt.process_groups import Groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
+from elastic_rt.root_cause import write_error_file
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.allocator import pin_mmap_threshold
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
+from elastic_rt.worker.hang import HangWatchdog, dump_stacks
+from elastic_rt.worker.progress import ProgressPublisher, StepClock
 from elastic_rt.worker.replicated import StepFn, StepOptions
 from elastic_rt.worker.trainers import (
     BuildFn,
@@ -222,6 +227,9 @@ class _ElasticLoop:
         self.ctx: Context | None = None
         self.store: dist.Store | None = None
         self.progress = Progress()
+        self.clock = StepClock()
+        self.watchdog = HangWatchdog(self.clock, self.env.hang_factor, self._report_stall)
+        self.publisher = ProgressPublisher(self.follower.registry) if self.follower else None
         if checkpoint is not None and self.follower is not None:
             checkpoint.bind(
                 pointer=FencedPointer(self.follower.registry, checkpoint.url, self._token),
@@ -268,6 +276,15 @@ class _ElasticLoop:
         return self.trainer.result()
 
     def train(self, max_steps: int) -> None:
+        self.clock.resume(time.monotonic())
+        self.watchdog.arm()
+        try:
+            self._train(max_steps)
+        finally:
+            self.watchdog.disarm()
+        self._publish_progress(force=True)
+
+    def _train(self, max_steps: int) -> None:
         while self.progress.step < max_steps:
             if self.follower and self.ctx and self.follower.has_newer_round(self.ctx.round):
                 raise NewerRound()
@@ -279,6 +296,7 @@ class _ElasticLoop:
             self.progress.step += 1
             self.progress.is_dirty = False
             self.progress.failed_attempts = 0
+            self.clock.completed(time.monotonic())
             self._after_step(local_loss, global_loss)
 
     # recovery phases --------------------------------------------------------------
@@ -317,6 +335,9 @@ class _ElasticLoop:
         self.events.rank = rank  # events carry the rank of the round they happen in
         if self.follower and round_:
             self.follower.acknowledge(round_)
+        if self.publisher is not None and rank == 0:
+            value = {"round": number, "layout": layout.to_dict()}
+            self.publisher.commit("layout", json.dumps(value), token)
         self._phase("groups.reformed", began, world_size=world, layout=str(layout))
 
     def restore(self) -> None:
@@ -356,6 +377,8 @@ class _ElasticLoop:
         """
         assert self.follower is not None
         logger.error("user code failed:", exc_info=exc.__cause__)
+        # The agent's root-cause report reads it, as it reads the file torch's @record writes.
+        write_error_file(os.environ.get(ERROR_FILE_ENV, ""), exc.__cause__ or exc, step=exc.step)
         logger.error("%s (an error in the user's code: the job ends, it is not retried)", exc)
         self.events.emit("step.failed", round=self.ctx.round if self.ctx else None,
                          step=exc.step, error=str(exc))
@@ -405,6 +428,7 @@ class _ElasticLoop:
             self.events.emit("step.resumed", round=self.ctx.round, step=step,
                              downtime_ms=int(downtime * 1000), world_size=self.ctx.world_size)
             self.progress.failed_at = None
+        self._publish_progress()
         extra = {} if global_loss is None else {"global_loss": global_loss}
         self.events.emit("step.completed", round=self.ctx.round, step=step,
                          loss=None if math.isnan(loss) else loss,
@@ -424,6 +448,24 @@ class _ElasticLoop:
             except (FencedOutError, CheckpointError) as exc:
                 # The previous save did not commit; the one before it stays the latest.
                 logger.warning("checkpoint before step %d not committed: %s", step, exc)
+
+    def _publish_progress(self, *, force: bool = False) -> None:
+        """Rank 0 keeps the run's ``progress`` key current for ``elastic-rt status``."""
+        if self.publisher is not None and self.ctx is not None and self.ctx.rank == 0:
+            self.publisher.publish(step=self.progress.step, round_=self.ctx.round,
+                                   token=self.ctx.token, clock=self.clock, force=force)
+
+    def _report_stall(self, stalled_s: float, threshold_s: float) -> None:
+        """From the watchdog thread: name this rank, then dump its stacks into the log."""
+        ctx = self.ctx
+        rank = ctx.rank if ctx else self.env.rank
+        logger.error("hang: rank %d on %s completed no step for %.1f s (over %.1f s, %g x the "
+                     "median step time); its Python stacks follow", rank, self.env.node_id,
+                     stalled_s, threshold_s, self.env.hang_factor)
+        self.events.emit("step.stalled", round=ctx.round if ctx else None,
+                         step=self.progress.step, stalled_s=round(stalled_s, 1),
+                         threshold_s=round(threshold_s, 2))
+        dump_stacks()
 
     def _finish_checkpoint(self) -> None:
         if self.checkpoint is None:
@@ -466,6 +508,7 @@ class _ElasticLoop:
 
     def shutdown(self) -> None:
         # context() keeps describing the last round, so the script can tell its final rank.
+        self.watchdog.close()
         self.batches.close()
         self.trainer.release()
         destroy_groups(self.groups)

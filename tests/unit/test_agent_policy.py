@@ -24,6 +24,7 @@ from agents.policy import (
 )
 from agents.workers import WorkerExit, WorkerState
 from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round, Snapshot, Wait
+from elastic_rt.root_cause import RootCause
 
 SETTINGS = Settings(node_id="a", limits=Limits(min_nodes=2, max_nodes=3, last_call=5.0),
                     monitor_interval=timedelta(seconds=0.1), join_timeout=timedelta(seconds=60),
@@ -310,3 +311,57 @@ def test_restart_budget_and_the_ways_to_restart() -> None:
                       policy.ProposeRound)
     moved_on = Snapshot(round=R2, nodes=nodes("a", "b"))
     assert policy.on_restart_counted(facts(moved_on), 1, SETTINGS) is None
+
+
+# root causes ---------------------------------------------------------------------------
+def cause(round_: int, error: str = "ValueError: bad", step: int | None = None,
+          line: int = 7) -> RootCause:
+    tb = f'Traceback (most recent call last):\n  File "train.py", line {line}, in main\n' if error \
+        else ""
+    return RootCause(round=round_, rank=1, node="b", host="h-b", time_ms=0, exitcode=1,
+                     error=error, traceback=tb, step=step)
+
+
+@pytest.mark.parametrize(("new", "old", "replaces"), [
+    (cause(1), None, True),
+    (cause(2), cause(1), True),
+    (cause(1), cause(2), False),  # a late report of an older round
+    (cause(1), cause(1, error=""), True),  # the exception beats an exit code, same round
+    (cause(1, error=""), cause(1), False),
+    (cause(1, error="KeyError: x"), cause(1), False),  # first exception of a round stays
+])
+def test_which_root_cause_the_run_keeps(new: RootCause, old: RootCause | None,
+                                        replaces: bool) -> None:
+    assert policy.supersedes(new, old) is replaces
+
+
+@pytest.mark.parametrize(("new", "previous", "repeated"), [
+    (cause(2), cause(1), True),  # a script error before any completed step, twice
+    (cause(2, step=40), cause(1, step=40), True),  # the same exception at the same step
+    (cause(2, step=41), cause(1, step=40), False),
+    (cause(2, error="KeyError: x"), cause(1), False),
+    (cause(2, line=9), cause(1), False),  # same message, raised elsewhere
+    (cause(2, error=""), cause(1, error=""), False),  # exit codes only: maybe an OOM kill
+    (cause(2), None, False),
+    (cause(1), cause(1), False),  # the same round's report, not an earlier attempt
+])
+def test_the_same_failure_after_a_restart_ends_the_job(new: RootCause, previous: RootCause | None,
+                                                       repeated: bool) -> None:
+    verdict = policy.repeated_failure(new, previous)
+    assert (verdict is not None) is repeated
+    if verdict is not None:
+        assert "rank 1 on h-b (b)" in verdict.reason and "ValueError: bad" in verdict.reason
+
+
+@pytest.mark.parametrize(("error", "claimed", "reported"), [
+    ("ValueError: bad", False, True), ("", True, True), ("", False, False),
+])
+def test_who_reports_a_root_cause(error: str, claimed: bool, reported: bool) -> None:
+    assert policy.should_report(cause(1, error=error), claimed=claimed) is reported
+
+
+def test_a_spent_budget_names_the_exception() -> None:
+    facts = FailureFacts(R1, IN_R1, False, FAIL, "a", cause=cause(1))
+    verdict = policy.on_restart_counted(facts, SETTINGS.max_restarts + 1, SETTINGS)
+    assert isinstance(verdict, Failed)
+    assert "ValueError: bad" in verdict.reason and "budget of 2 is spent" in verdict.reason

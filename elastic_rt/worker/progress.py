@@ -1,0 +1,80 @@
+"""How fast the job trains: step times, the step rate, and the ``progress`` key.
+
+:class:`StepClock` keeps the completion times of the last steps (pure: the caller
+passes the clock): the rate ``elastic-rt status`` shows and the median step time the
+hang watchdog (:mod:`elastic_rt.worker.hang`) measures stalls against.
+:class:`ProgressPublisher` lets rank 0 write the step and rate to etcd, fenced by its
+round's token, at most once a second: one small write whatever the step time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections import deque
+
+from elastic_rt.errors import FencedOutError, StoreError
+from elastic_rt.rendezvous.registry import RunRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class StepClock:
+    """Completion times of the last ``window`` steps of this worker.
+
+    A re-form is not a step: :meth:`resume` starts timing afresh, so a recovery's
+    length never counts as a step time.
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        self._durations: deque[float] = deque(maxlen=window)
+        self.last: float | None = None
+        """When the last step completed (or training resumed), monotonic seconds."""
+
+    def resume(self, now: float) -> None:
+        self.last = now
+
+    def completed(self, now: float) -> None:
+        if self.last is not None:
+            self._durations.append(now - self.last)
+        self.last = now
+
+    def median_step_s(self) -> float | None:
+        return statistics.median(self._durations) if self._durations else None
+
+    def steps_per_s(self) -> float | None:
+        if not self._durations:
+            return None
+        total = sum(self._durations)
+        return len(self._durations) / total if total > 0 else None
+
+
+class ProgressPublisher:
+    """Rank 0's step and rate under the run's ``progress`` key, at most every ``every_s``."""
+
+    def __init__(self, registry: RunRegistry, every_s: float = 1.0) -> None:
+        self.registry = registry
+        self.every_s = every_s
+        self._published = float("-inf")
+
+    def publish(self, *, step: int, round_: int, token: int, clock: StepClock,
+                force: bool = False) -> None:
+        """Write now if ``every_s`` passed (or ``force``); a lost race or etcd error is skipped."""
+        now = time.monotonic()
+        if not force and now - self._published < self.every_s:
+            return
+        self._published = now
+        rate = clock.steps_per_s()
+        value = {"round": round_, "step": step, "ms": int(time.time() * 1000),
+                 "steps_per_s": None if rate is None else round(rate, 3)}
+        self.commit("progress", json.dumps(value), token)
+
+    def commit(self, name: str, text: str, token: int) -> None:
+        """Write ``name`` fenced by ``token``; a newer round or an etcd error skips it:
+        status is a report, never a reason to stop training."""
+        try:
+            self.registry.commit_fenced(name, text.encode(), token)
+        except (FencedOutError, StoreError) as exc:
+            logger.debug("%s not published: %s", name, exc)

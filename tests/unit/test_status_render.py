@@ -1,0 +1,35 @@
+"""``elastic-rt status`` decoding the keys the runtime and agents write: step, rate, cause."""
+
+from __future__ import annotations
+
+import json
+
+from elastic_rt.rendezvous.kv import KeyValue
+from elastic_rt.root_cause import RootCause
+from elastic_rt.status import render, status_from_keys
+
+CAUSE = RootCause(round=2, rank=3, node="node-b", host="10.0.0.2", time_ms=0, exitcode=1,
+                  error="ValueError: bad", step=40,
+                  traceback='Traceback:\n  File "train.py", line 9, in step\n    raise\n')
+
+
+def _items(**values: bytes) -> dict[str, KeyValue]:
+    return {name: KeyValue(name, value, 5, 5, 0) for name, value in values.items()}
+
+
+def test_step_rate_budget_and_root_cause_are_shown() -> None:
+    items = _items(progress=json.dumps({"round": 2, "step": 120, "steps_per_s": 3.5,
+                                        "ms": 1_700_000_000_000}).encode(),
+                   restarts=b"1", max_restarts=b"3", root_cause=CAUSE.to_json())
+    status = status_from_keys("r", items, endpoint="e", now_ms=0)
+    text = render(status)
+    assert "step        120  (3.50 steps/s" in text
+    assert "restarts    1 used, 2 left of 3" in text
+    assert "root cause  rank 3 on 10.0.0.2 (node-b) at step 40: ValueError: bad (round 2)" in text
+    assert 'File "train.py", line 9, in step' in text
+    assert status.root_cause is not None and status.root_cause["traceback"] == CAUSE.traceback
+
+
+def test_a_run_without_steps_or_failures_says_so() -> None:
+    text = render(status_from_keys("r", _items(progress=b"garbage"), endpoint="e", now_ms=0))
+    assert "step        none completed yet" in text and "root cause" not in text
