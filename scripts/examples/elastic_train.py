@@ -49,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule", action="store_true", help="a step-decay LR schedule")
     p.add_argument("--fail-at-step", type=int, default=None,
                    help="rank 0 raises a user error (a shape mismatch) at this step")
+    p.add_argument("--stall-at-step", type=int, default=None,
+                   help="rank 1 stalls in its step here for --stall-seconds (a hang report)")
+    p.add_argument("--stall-seconds", type=float, default=3.0)
     p.add_argument("--hook-count", default=None,
                    help="rank 0 writes how often its optimizer's step hooks ran here")
     return p.parse_args()
@@ -78,6 +81,8 @@ def main() -> None:
         ctx = ert.context()
         if ctx.step == args.fail_at_step and ctx.rank == 0:
             x = x[:, :-1]  # a user bug: the model's first layer gets the wrong width
+        if ctx.step == args.stall_at_step and ctx.rank == 1:
+            time.sleep(args.stall_seconds)  # the others wait for it in the gradient all-reduce
         return torch.nn.functional.mse_loss(state.model(x), y)
 
     checkpoint = (ert.Checkpointer(args.checkpoint, every_steps=args.every)
