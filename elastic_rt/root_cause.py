@@ -110,10 +110,13 @@ def read_error_file(path: str) -> ErrorRecord | None:
                        step if isinstance(step, int) else None)  # fmt: skip
 
 
-def write_error_file(path: str, exc: BaseException, *, step: int | None = None) -> None:
-    """Write ``exc`` where torch's ``@record`` would, in its format, unless already there."""
+def write_error_file(path: str, exc: BaseException, *, step: int | None = None) -> bool:
+    """Write ``exc`` where torch's ``@record`` would, in its format, unless already there.
+
+    Returns whether the file now holds ``exc`` (False without a path, or when it existed).
+    """
     if not path or os.path.exists(path):
-        return
+        return False
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     extra: dict[str, Any] = {"py_callstack": tb, "timestamp": str(int(time.time()))}
     if step is not None:
@@ -121,6 +124,7 @@ def write_error_file(path: str, exc: BaseException, *, step: int | None = None) 
     data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": extra}}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f)
+    return True
 
 
 def _innermost_frame(tb: str) -> str:

@@ -371,14 +371,16 @@ class _ElasticLoop:
     def end_job(self, exc: UserCodeError) -> None:
         """The user's code raised: stop the job on every node instead of retrying it.
 
-        The traceback and the one-line root cause go out first: closing the run makes
+        The error file and the one-line root cause go out first: closing the run makes
         every agent stop its workers (this one too) and exit non-zero with that root
         cause; peers blocked in a collective with us fail, find the run closed and stop.
+        Our agent prints the traceback from the error file in its root-cause report, as
+        torchrun's does from ``@record``'s; it is printed here only if no file took it.
         """
         assert self.follower is not None
-        logger.error("user code failed:", exc_info=exc.__cause__)
-        # The agent's root-cause report reads it, as it reads the file torch's @record writes.
-        write_error_file(os.environ.get(ERROR_FILE_ENV, ""), exc.__cause__ or exc, step=exc.step)
+        if not write_error_file(os.environ.get(ERROR_FILE_ENV, ""), exc.__cause__ or exc,
+                                step=exc.step):
+            logger.error("user code failed:", exc_info=exc.__cause__)
         logger.error("%s (an error in the user's code: the job ends, it is not retried)", exc)
         self.events.emit("step.failed", round=self.ctx.round if self.ctx else None,
                          step=exc.step, error=str(exc))
@@ -448,6 +450,9 @@ class _ElasticLoop:
             except (FencedOutError, CheckpointError) as exc:
                 # The previous save did not commit; the one before it stays the latest.
                 logger.warning("checkpoint before step %d not committed: %s", step, exc)
+            # A save is not a step: its time neither makes the next step look slow nor,
+            # when it is long, a hang (a save that never returns is still reported).
+            self.clock.resume(time.monotonic())
 
     def _publish_progress(self, *, force: bool = False) -> None:
         """Rank 0 keeps the run's ``progress`` key current for ``elastic-rt status``."""

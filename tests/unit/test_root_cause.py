@@ -38,8 +38,9 @@ def test_our_error_file_is_torchs_format_plus_the_step(tmp_path: Path) -> None:
     try:
         _fail_deep()
     except ValueError as exc:
-        write_error_file(str(path), exc, step=12)
-        write_error_file(str(path), RuntimeError("later"), step=13)  # the first one stays
+        assert write_error_file(str(path), exc, step=12)
+        assert not write_error_file(str(path), RuntimeError("later"), step=13)  # first stays
+    assert not write_error_file("", RuntimeError("no file to write"))
     record_ = read_error_file(str(path))
     assert record_ is not None and record_.step == 12
     assert record_.error == "ValueError: bad shape (3, 4)" and "_fail_deep" in record_.traceback
