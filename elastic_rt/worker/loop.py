@@ -30,6 +30,11 @@ An exception from the user's own code (dataset, step, model) is not a lost peer:
 job ends at once, on every node, with that traceback and a one-line root cause
 (``worker/failures.py``); only failed collectives are retried.
 
+**Reports.** Rank 0 keeps the run's ``layout`` and ``progress`` (step, step rate) keys
+current for ``elastic-rt status`` (``worker/progress.py``); a watchdog thread names a rank
+that completes no step for ``hang_factor`` median step times and dumps its Python stacks
+(``worker/hang.py``).
+
 **Events.** ``step.completed`` carries ``loss``, the mean loss over this rank's samples
 of the step (for an object owning its step, what its ``step`` returned), and, when an
 ``on_step`` callback is given, ``global_loss``, the mean over the whole global batch.

@@ -4,7 +4,8 @@
 passes the clock): the rate ``elastic-rt status`` shows and the median step time the
 hang watchdog (:mod:`elastic_rt.worker.hang`) measures stalls against.
 :class:`ProgressPublisher` lets rank 0 write the step and rate to etcd, fenced by its
-round's token, at most once a second: one small write whatever the step time.
+round's token, at most once a second (one small write whatever the step time), and the
+round's layout once per round.
 """
 
 from __future__ import annotations
