@@ -23,9 +23,10 @@ from agents.config import AgentConfig
 from agents.inbox import Inbox
 from agents.local_workers import LocalWorkers
 from agents.policy import AgentState, Observation
-from agents.round_io import agree_on_store, propose_round, settle_failure
+from agents.round_io import agree_on_store, propose_round, report_root_cause, settle_failure
+from agents.workers import WorkerExit
 from agents.run_reader import RunReader
-from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError
+from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError, StoreError
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KVStore
@@ -282,12 +283,26 @@ class Agent:
             self.events.emit("node.left", signal=name)
             logger.info("node %s left on %s", self.info.node_id, name)
             return policy.exit_code(outcome)
-        self.workers.stop()
+        exits = self.workers.stop()
         reason = policy.closed_record(outcome)
         if isinstance(outcome, policy.Failed):
+            self._report_raised(exits)
             logger.error("job stopped: %s", reason)
         self.events.emit("agent.exited", reason=reason, exitcode=policy.exit_code(outcome))
         return policy.exit_code(outcome)
+
+    def _report_raised(self, exits: list[WorkerExit]) -> None:
+        """A worker of ours that closed the run (the user's code raised) left its error in
+        a file: report it as the root cause, though the closed run, not the worker's exit,
+        ended this agent."""
+        round_ = self.state.round
+        cause = self.workers.raised(round_, exits, self.info.host) if round_ else None
+        if cause is None:
+            return
+        try:
+            report_root_cause(self.registry, cause, claimed=False)
+        except StoreError as exc:  # leaving anyway: say why here, at least
+            logger.warning("root cause not stored (%s):\n%s", exc, cause.table())
 
     def _close(self, outcome: policy.Failed) -> int:
         """Close the run for everyone, and leave saying why, like the peers will."""

@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from elastic_rt.acks import read_acks
 from agents.config import AgentConfig
@@ -24,7 +24,7 @@ from elastic_rt.childproc import owned_temp_dir
 from elastic_rt.config import WorkerEnv
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.rounds import Round
-from elastic_rt.root_cause import RootCause, read_error_file
+from elastic_rt.root_cause import ErrorRecord, RootCause, read_error_file
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +78,31 @@ class LocalWorkers:
                              pid=e.pid, exitcode=e.exitcode)
         return failed[0]
 
-    def root_cause(self, round_: Round, exits: tuple[WorkerExit, ...], host: str,
+    def root_cause(self, round_: Round, exits: Sequence[WorkerExit], host: str,
                    step: int | None) -> RootCause:
         """The failure to report: the earliest failed worker that left an error file, else
         the first failed one (``step``: the job's last step, if the file has none)."""
-        failed = [e for e in exits if e.exitcode != 0]
-        files = self.group.error_files
-        records = [(read_error_file(files[e.local_rank]) if e.local_rank < len(files) else None,
-                    e) for e in failed]  # fmt: skip
+        records = self._records([e for e in exits if e.exitcode != 0])
         recorded = [(r, e) for r, e in records if r is not None]
-        record, exit_ = min(recorded, key=lambda p: p[0].time_s or 0) if recorded else records[0]
+        return self._cause(round_, *(min(recorded, key=lambda p: p[0].time_s or 0)
+                                     if recorded else records[0]), host=host, step=step)
+
+    def raised(self, round_: Round, exits: Sequence[WorkerExit], host: str) -> RootCause | None:
+        """The cause a worker among ``exits`` left in its error file; None if none did."""
+        recorded = [(r, e) for r, e in self._records(exits) if r is not None]
+        if not recorded:
+            return None
+        return self._cause(round_, *min(recorded, key=lambda p: p[0].time_s or 0), host=host,
+                           step=None)
+
+    def _records(self, exits: Sequence[WorkerExit]
+                 ) -> list[tuple[ErrorRecord | None, WorkerExit]]:
+        files = self.group.error_files
+        return [(read_error_file(files[e.local_rank]) if e.local_rank < len(files) else None, e)
+                for e in exits]
+
+    def _cause(self, round_: Round, record: ErrorRecord | None, exit_: WorkerExit, *,
+               host: str, step: int | None) -> RootCause:
         node = self._shared.node_id
         base = round_.rank_offset(node) if node in round_.members else 0
         return RootCause(
@@ -108,11 +123,12 @@ class LocalWorkers:
     def in_process(self) -> bool:
         return acks_in_process(self.acks())
 
-    def stop(self, why: str = "") -> None:
-        """Stop every worker (thread-safe: the lease thread calls it when fencing)."""
+    def stop(self, why: str = "") -> list[WorkerExit]:
+        """Stop every worker (thread-safe: the lease thread calls it when fencing);
+        returns how each one ended."""
         if why and self.group.pids:
             logger.info("stopping workers: %s", why)
-        self.group.stop()
+        return self.group.stop()
 
     def close(self) -> None:
         self.group.stop()

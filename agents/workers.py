@@ -134,12 +134,15 @@ class WorkerGroup:
             return WorkerState.SUCCEEDED, exits
         return WorkerState.RUNNING, exits
 
-    def stop(self) -> None:
-        """SIGTERM every worker's group, SIGKILL after the grace period, reap all."""
+    def stop(self) -> list[WorkerExit]:
+        """SIGTERM every worker's group, SIGKILL after the grace period, reap all.
+
+        Returns how each worker ended (empty when none ran).
+        """
         with self._lock:
             procs, self._procs = self._procs, []
         if not procs:
-            return
+            return []
         descendants = _descendants(procs)
         for proc in procs:
             _signal_group(proc.pid, signal.SIGTERM)
@@ -159,6 +162,7 @@ class WorkerGroup:
                 pass
         logger.info("stopped workers %s", [p.pid for p in procs])
         self._join_tees()
+        return [WorkerExit(i, p.pid, p.returncode) for i, p in enumerate(procs)]
 
     def _join_tees(self) -> None:
         """Let tee threads copy what the workers wrote last (their pipes are at EOF now)."""

@@ -128,4 +128,7 @@ def test_a_user_exception_ends_the_job_once_with_its_traceback_and_root_cause(
     output = "".join((tmp_path / f"{n}.log").read_text() for n in "ab")
     assert output.count("Traceback (most recent call last)") >= 1
     assert output.count("in train_step") == 1, "the user's traceback is printed once"
+    # ... in the root-cause table, by the agent of the rank that raised
+    assert output.count("Root Cause (first observed failure)") == 1
+    assert "rank      : 0 (round 0)" in output and "step      : 5" in output
     assert "rank 0 failed at step 5: RuntimeError: mat1 and mat2 shapes" in output
