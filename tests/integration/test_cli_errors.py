@@ -69,8 +69,10 @@ def _assert_one_line_error(result: subprocess.CompletedProcess[str], *names: str
         (("--rdzv-endpoint", "zk://127.0.0.1:2181"), ("zk", "etcd://host:port")),
         (("--nproc-per-node", "0"), ("--nproc-per-node 0", "Pass 1 or more")),
         (("--rdzv-endpoint", "etcd://127.0.0.1:x"), ("127.0.0.1:x", "etcd://host:port")),
+        (("--hang-factor", "-1"), ("--hang-factor -1", "or 0 to turn")),
     ],
-    ids=["nnodes-reversed", "nnodes-text", "nnodes-zero", "scheme", "nproc-zero", "endpoint-port"],
+    ids=["nnodes-reversed", "nnodes-text", "nnodes-zero", "scheme", "nproc-zero", "endpoint-port",
+         "hang-factor"],
 )
 def test_bad_launch_flag_is_one_line_with_exit_2(args: tuple[str, ...], names: tuple[str, ...],
                                                  tmp_path: Path) -> None:
@@ -94,8 +96,9 @@ def test_usage_mistakes_are_one_line_naming_the_help(args: tuple[str, ...],
         ({"ELASTIC_RT_LEASE_TTL_SEC": "-1"}, ("ELASTIC_RT_LEASE_TTL_SEC", "'-1'")),
         ({"ELASTIC_RT_LEASE_TTL_SEC": "0.5"}, ("lease TTL", "ELASTIC_RT_LEASE_TTL_SEC")),
         ({"ELASTIC_RT_LOG_LEVEL": "LOUD"}, ("ELASTIC_RT_LOG_LEVEL", "'LOUD'", "INFO")),
+        ({"ELASTIC_RT_HANG_FACTOR": "often"}, ("ELASTIC_RT_HANG_FACTOR", "'often'")),
     ],
-    ids=["ttl-text", "ttl-negative", "ttl-under-1s", "log-level"],
+    ids=["ttl-text", "ttl-negative", "ttl-under-1s", "log-level", "hang-factor"],
 )
 def test_bad_environment_value_is_one_line_with_exit_2(env: dict[str, str],
                                                        names: tuple[str, ...],
