@@ -453,7 +453,8 @@ def _etcd(args: argparse.Namespace) -> int:
 
 # status, checkpoint, timeline -------------------------------------------------------
 def _add_status(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = commands.add_parser("status", help="show a run: nodes, round, layout, checkpoint, budget")
+    p = commands.add_parser("status", help="show a run: nodes, round, step and rate, layout, "
+                                           "checkpoint, budget, root cause")
     p.add_argument("--run-id", required=True)
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="etcd://host:port")
     p.add_argument("--events-file", default=None, help="also summarise this event log")
