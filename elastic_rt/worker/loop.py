@@ -524,6 +524,8 @@ class _ElasticLoop:
         destroy_groups(self.groups)
         self.groups = None
         self.store = None
+        if self.publisher is not None:
+            self.publisher.close()  # before the follower's client, which it writes through
         if self.follower:
             self.follower.close()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import threading
 import time
 from collections import deque
 
@@ -53,16 +54,27 @@ class StepClock:
 
 
 class ProgressPublisher:
-    """Rank 0's step and rate under the run's ``progress`` key, at most every ``every_s``."""
+    """Rank 0's step and rate under the run's ``progress`` key, at most every ``every_s``,
+    and the round's ``layout``.
+
+    The writes go out from a daemon thread, newest value per key: the training loop only
+    hands them over, so a slow or unreachable etcd never delays a step.
+    """
 
     def __init__(self, registry: RunRegistry, every_s: float = 1.0) -> None:
         self.registry = registry
         self.every_s = every_s
         self._published = float("-inf")
+        self._pending: dict[str, tuple[str, int]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._write, name="progress", daemon=True)
+        self._thread.start()
 
     def publish(self, *, step: int, round_: int, token: int, clock: StepClock,
                 force: bool = False) -> None:
-        """Write now if ``every_s`` passed (or ``force``); a lost race or etcd error is skipped."""
+        """Hand over the step if ``every_s`` passed since the last one (or ``force``)."""
         now = time.monotonic()
         if not force and now - self._published < self.every_s:
             return
@@ -73,9 +85,29 @@ class ProgressPublisher:
         self.commit("progress", json.dumps(value), token)
 
     def commit(self, name: str, text: str, token: int) -> None:
-        """Write ``name`` fenced by ``token``; a newer round or an etcd error skips it:
-        status is a report, never a reason to stop training."""
-        try:
-            self.registry.commit_fenced(name, text.encode(), token)
-        except (FencedOutError, StoreError) as exc:
-            logger.debug("%s not published: %s", name, exc)
+        """Write ``name`` fenced by ``token``, soon (replacing a value not yet written)."""
+        with self._lock:
+            self._pending[name] = (text, token)
+        self._wake.set()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Write what is pending (for up to ``timeout``), then stop the thread."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _write(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                pending, self._pending = self._pending, {}
+            for name, (text, token) in pending.items():
+                try:
+                    self.registry.commit_fenced(name, text.encode(), token)
+                except (FencedOutError, StoreError) as exc:
+                    # Status is a report, never a reason to stop training.
+                    logger.debug("%s not published: %s", name, exc)
+            with self._lock:
+                if self._closed and not self._pending:
+                    return
