@@ -466,8 +466,14 @@ class _ElasticLoop:
                                    token=self.ctx.token, clock=self.clock, force=force)
 
     def _report_stall(self, stalled_s: float, threshold_s: float) -> None:
-        """From the watchdog thread: name this rank, then dump its stacks into the log."""
-        ctx = self.ctx
+        """From the watchdog thread: name this rank, then dump its stacks into the log.
+
+        Not while a newer round is pending: a lost peer explains the wait, and the
+        re-form it leads to is reported by its own events.
+        """
+        ctx, follower = self.ctx, self.follower
+        if ctx is not None and follower is not None and follower.has_newer_round(ctx.round):
+            return
         rank = ctx.rank if ctx else self.env.rank
         logger.error("hang: rank %d on %s completed no step for %.1f s (over %.1f s, %g x the "
                      "median step time); its Python stacks follow", rank, self.env.node_id,

@@ -66,6 +66,8 @@ def test_standby_workers_have_no_rank_until_a_round_admits_them() -> None:
         *standby_envs(NODE, 2, restart_count=1),
         WorkerEnv(rank=1, world_size=2, lease_ttl=timedelta(seconds=7),
                   collective_timeout=timedelta(minutes=10), auth=EtcdAuth(tls=True)),
+        WorkerEnv(hang_factor=2.5),
+        WorkerEnv(hang_factor=0.0),
     ],
     ids=lambda env: f"round{env.round}-rank{env.rank}-local{env.local_rank}",
 )
