@@ -291,7 +291,7 @@ def _round_lines(status: RunStatus) -> list[str]:
 
 def _progress_text(data: dict[str, Any] | None) -> str:
     if not data or not isinstance(data.get("step"), int):
-        return "none completed yet (rank 0 reports it)"
+        return "none completed yet (rank 0 of an elastic_rt.run job reports it)"
     rate = data.get("steps_per_s")
     parts = [f"{rate:.2f} steps/s" if isinstance(rate, (int, float)) else "rate not known yet"]
     if isinstance(data.get("ms"), int):
@@ -309,7 +309,7 @@ def _root_cause_lines(cause: RootCause) -> list[str]:
 def _layout_text(status: RunStatus) -> str:
     data = status.layout
     if not data:
-        return "not published yet (rank 0 writes it)"
+        return "not published yet (rank 0 of an elastic_rt.run job writes it)"
     axes = data.get("layout", data)
     text = " ".join(f"{k}={v}" for k, v in axes.items()) if isinstance(axes, dict) else str(axes)
     current = status.round["number"] if status.round else None
