@@ -34,7 +34,7 @@ from elastic_rt.errors import StoreError
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KVStore
 from elastic_rt.rendezvous.registry import RunRegistry
-from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round
+from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round, Snapshot
 from elastic_rt.testing import CountingKV, OpCounter
 
 logger = logging.getLogger(__name__)
@@ -62,14 +62,18 @@ class HarnessLoad:
         """Cores the harness process used on average (1.0 = one core busy)."""
         return self.cpu_seconds / self.wall_seconds if self.wall_seconds else 0.0
 
-    def verdict(self, *, max_lag: float = 0.1, max_queue: float = 0.05,
+    def verdict(self, *, max_lag: float = 0.05, max_queue: float = 0.05,
                 max_cpu: float = 0.9) -> str | None:
-        """Why the harness was the bottleneck, or None when it was not."""
-        lag, queue = _p(self.loop_lag, 0.99), _p(self.queue_wait, 0.9)
+        """Why the harness was the bottleneck, or None when it was not.
+
+        Lag is judged at p90: a burst as a thousand nodes start at once is expected;
+        a loop that is late on a tenth of its ticks is saturated.
+        """
+        lag, queue = _p(self.loop_lag, 0.9), _p(self.queue_wait, 0.9)
         service = _p(self.service, 0.9)
         problems = []
         if lag > max_lag:
-            problems.append(f"event loop p99 lag {lag * 1000:.0f} ms > {max_lag * 1000:.0f} ms")
+            problems.append(f"event loop p90 lag {lag * 1000:.0f} ms > {max_lag * 1000:.0f} ms")
         # Calls queue behind threads that wait on etcd too; only a queue longer than
         # etcd's own answer time says the thread pool, not etcd, held them up.
         if queue > max(max_queue, service):
@@ -81,7 +85,8 @@ class HarnessLoad:
         return "; ".join(problems) or None
 
     def summary(self) -> str:
-        return (f"loop lag p99 {_p(self.loop_lag, 0.99) * 1000:.0f} ms, call queue p90 "
+        return (f"loop lag p90/p99 {_p(self.loop_lag, 0.9) * 1000:.0f}/"
+                f"{_p(self.loop_lag, 0.99) * 1000:.0f} ms, call queue p90 "
                 f"{_p(self.queue_wait, 0.9) * 1000:.0f} ms, call p90 "
                 f"{_p(self.service, 0.9) * 1000:.0f} ms, harness cpu {self.cpu_share:.2f}")
 
@@ -219,9 +224,14 @@ class SwarmNode:
 
     # the agent's loop ----------------------------------------------------------------
     async def _run(self) -> None:
-        self.lease = await self.swarm.call(self.kv.grant_lease, max(1, int(self.ttl.seconds)))
-        await self.swarm.call(self.registry.register, self.info, self.lease)
+        await self._join()
         self._tasks.append(asyncio.create_task(self._keep_alive()))
+        while True:
+            await self._step()
+
+    async def _join(self) -> None:
+        """Register, then watch what wakes an agent (agents/agent.py)."""
+        await self._register()
         loop = asyncio.get_running_loop()
 
         def woken() -> None:  # from a client's watch thread
@@ -232,14 +242,19 @@ class SwarmNode:
                          for name in AGENT_WATCHES]
         self._cancels.append(self.kv.on_change(self.registry.key("nodes/"), woken,
                                                deletes_only=True))
-        while True:
-            await self._step()
+
+    async def _register(self) -> None:
+        self.lease = await self.swarm.call(self.kv.grant_lease, max(1, int(self.ttl.seconds)))
+        await self.swarm.call(self.registry.register, self.info, self.lease)
+
+    async def _observe(self) -> tuple[Snapshot | None, bool]:
+        """The run as the agent reads it: a snapshot when a decision needs one."""
+        return await self.swarm.call(self.reader.read, self.state, self.settings)
 
     async def _step(self) -> None:
         if self.inbox.take_fenced():
             self.state = policy.fenced(self.state)
-        snapshot, store_error = await self.swarm.call(self.reader.read, self.state,
-                                                      self.settings)
+        snapshot, store_error = await self._observe()
         if store_error:
             self.swarm.retries.add("store_error")
         obs = Observation(now=time.monotonic(), now_ms=int(time.time() * 1000),
@@ -290,6 +305,4 @@ class SwarmNode:
             if not alive:
                 self.swarm.retries.add("lease_lost")
                 self.inbox.fenced()
-                self.lease = await self.swarm.call(self.kv.grant_lease,
-                                                   max(1, int(self.ttl.seconds)))
-                await self.swarm.call(self.registry.register, self.info, self.lease)
+                await self._register()

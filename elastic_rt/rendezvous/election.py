@@ -24,8 +24,10 @@ that :func:`rounds.decide` takes.
 from __future__ import annotations
 
 from elastic_rt.rendezvous.kv import Change, KeyValue
-from elastic_rt.rendezvous.registry import LEADER, Joined, snapshot_from
-from elastic_rt.rendezvous.rounds import Snapshot
+from elastic_rt.rendezvous.registry import LEADER, Joined, node_from, snapshot_from
+from elastic_rt.rendezvous.rounds import NodeInfo, Snapshot
+
+_NODES = "nodes/"
 
 
 class RunView:
@@ -40,9 +42,14 @@ class RunView:
         self.prefix = prefix
         self.leader = joined.leader
         self.revision = joined.revision
-        self._items: dict[str, KeyValue] = dict(joined.items)
+        self._items: dict[str, KeyValue] = {}
+        self._nodes: dict[str, NodeInfo] = {}
+        """Registrations, decoded once as they arrive (the leader sees N of them)."""
+        self._snapshot: Snapshot | None = None
         self._deleted: dict[str, int] = {}
         """Revision each key was last deleted at, so an older read cannot revive it."""
+        for item in joined.items.values():
+            self._set(item.key[len(prefix):], item)
 
     @property
     def watch_prefix(self) -> str:
@@ -63,14 +70,25 @@ class RunView:
                 continue
             if change.deleted:
                 self._items.pop(name, None)
+                self._nodes.pop(name[len(_NODES):], None)
                 self._deleted[name] = change.kv.mod_revision
             else:
-                self._items[name] = change.kv
+                self._set(name, change.kv)
             self.revision = max(self.revision, change.kv.mod_revision)
+            self._snapshot = None
+
+    def _set(self, name: str, item: KeyValue) -> None:
+        self._items[name] = item
+        if name.startswith(_NODES):
+            self._nodes[name[len(_NODES):]] = node_from(item)
 
     def merge(self, joined: Joined) -> None:
         """Take newer values from a claim that lost (its reads are of the followed keys)."""
         self.apply([Change(kv, deleted=False) for kv in joined.items.values()])
 
     def snapshot(self) -> Snapshot:
-        return snapshot_from(self._items, nodes_known=self.leader)
+        """The run as of the last change (decoded once per change, not per call)."""
+        if self._snapshot is None:
+            self._snapshot = snapshot_from(self._items, nodes_known=self.leader,
+                                           nodes=dict(self._nodes))
+        return self._snapshot

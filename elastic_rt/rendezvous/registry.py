@@ -51,15 +51,20 @@ class Joined:
     the :data:`FOLLOWED` keys that exist."""
 
 
-def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True) -> Snapshot:
-    """Decode a run's keys (names relative to its prefix) into a :class:`Snapshot`."""
-    nodes = {}
-    for name, item in items.items():
-        if name.startswith("nodes/"):
-            info = NodeInfo.from_json(
-                item.value, joined_revision=item.create_revision, lease=item.lease
-            )
-            nodes[info.node_id] = info
+def node_from(item: KeyValue) -> NodeInfo:
+    return NodeInfo.from_json(item.value, joined_revision=item.create_revision, lease=item.lease)
+
+
+def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
+                  nodes: Mapping[str, NodeInfo] | None = None) -> Snapshot:
+    """Decode a run's keys (names relative to its prefix) into a :class:`Snapshot`.
+
+    ``nodes``, when given, are the registrations already decoded (a watcher keeps
+    them as they change); else they are decoded from ``items``.
+    """
+    if nodes is None:
+        nodes = {info.node_id: info for info in
+                 (node_from(item) for name, item in items.items() if name.startswith("nodes/"))}
     round_kv = items.get("round")
     closed = items.get("closed")
     alarm = items.get("alarm")
