@@ -38,9 +38,16 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from agents.swarm import SwarmNode
+from agents.swarm_elected import ElectedSwarmNode
 from agents.swarm_run import HarnessBound, SwarmReport, run_swarm
+
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.testing import OpCounter
+
+PROTOCOLS: dict[str, type[SwarmNode]] = {"elected": ElectedSwarmNode, "agent": SwarmNode}
+"""``elected``: one leader proposes, followers watch (election.py); ``agent``: every
+node reads the run and races to propose, as agents/agent.py does today."""
 
 
 @dataclass(frozen=True)
@@ -105,47 +112,57 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--clients", type=int, default=8, help="shared etcd channels")
+    parser.add_argument("--agent-max", type=int, default=128,
+                        help="largest N for the agent protocol (O(N^2) reads)")
     parser.add_argument("--torch-max", type=int, default=128)
     parser.add_argument("--torch-timeout", type=float, default=60.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
-    reports: dict[int, SwarmReport] = {}
+    reports: dict[tuple[str, int], SwarmReport] = {}
     torch_trials: dict[int, TorchTrial] = {}
     with EtcdServer() as etcd:
         for n in args.nodes:
-            reports[n] = asyncio.run(run_swarm(etcd.endpoint, n, clients=args.clients))
-            _print_details(n, reports[n])
+            for name, node_class in PROTOCOLS.items():
+                if name == "agent" and n > args.agent_max:
+                    continue
+                report = asyncio.run(run_swarm(etcd.endpoint, n, node_class=node_class,
+                                               clients=args.clients))
+                reports[(name, n)] = report
+                _print_details(f"{name} n={n}", report)
         server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
         for n in (n for n in args.nodes if n <= args.torch_max):
             torch_trials[n] = torch_c10d_round(server, n, args.torch_timeout)
     _print_table(reports, torch_trials)
-    bound = [f"{n}: {r.load.verdict()}" for n, r in reports.items() if r.load.verdict()]
+    bound = [f"{key}: {r.load.verdict()}" for key, r in reports.items() if r.load.verdict()]
     if bound:
         print(f"HARNESS-BOUND, figures not etcd's: {bound}", file=sys.stderr)
         raise SystemExit(2)
 
 
-def _print_details(n: int, report: SwarmReport) -> None:
+def _print_details(label: str, report: SwarmReport) -> None:
     for phase in report.phases:
         ops = {k: v for k, v in sorted(phase.ops.items())}
-        print(f"n={n:<5} {phase.name:<7} {phase.seconds:6.2f} s  ops {ops}  retries "
+        print(f"{label:<16} {phase.name:<7} {phase.seconds:6.2f} s  ops {ops}  retries "
               f"{phase.retries}  etcd {phase.etcd_rate:.0f} req/s {_int(phase.etcd)}")
-    print(f"n={n:<5} keep-alives {report.lease_refresh_per_s:.0f}/s; {report.load.summary()}")
+    print(f"{label:<16} keep-alives {report.lease_refresh_per_s:.0f}/s; "
+          f"{report.load.summary()}", flush=True)
 
 
 def _int(counts: dict[str, float]) -> dict[str, int]:
     return {k: int(v) for k, v in sorted(counts.items())}
 
 
-def _print_table(reports: dict[int, SwarmReport], torch_trials: dict[int, TorchTrial]) -> None:
-    header = (f"{'nodes':>5} | {'form s':>6} {'ops/n':>5} {'retry':>5} | {'lose1 s':>7} "
-              f"{'ops/n':>5} | {'grow1 s':>7} {'ops/n':>5} | {'etcd/s':>6} {'k-a/s':>5} | "
+def _print_table(reports: dict[tuple[str, int], SwarmReport],
+                 torch_trials: dict[int, TorchTrial]) -> None:
+    header = (f"{'protocol':>8} {'nodes':>5} | {'form s':>6} {'ops/n':>5} {'retry':>5} | "
+              f"{'lose1 s':>7} {'ops/n':>5} | {'grow1 s':>7} {'ops/n':>5} | "
+              f"{'etcd/s':>6} {'k-a/s':>5} | "
               f"{'torch s':>7} {'ops/n':>5} {'joined':>6}")
     print("\n" + header + "\n" + "-" * len(header))
-    for n, report in reports.items():
+    for (name, n), report in reports.items():
         form, *events = report.phases
-        line = (f"{n:>5} | {form.seconds:>6.2f} {form.per_node():>5.2f} "
+        line = (f"{name:>8} {n:>5} | {form.seconds:>6.2f} {form.per_node():>5.2f} "
                 f"{sum(form.retries.values()):>5}")
         for phase in events:
             line += f" | {phase.seconds:>7.2f} {phase.per_node():>5.2f}"
