@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from agents import policy
 from agents.inbox import Inbox
@@ -116,6 +116,7 @@ class Swarm:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="swarm-etcd")
         self.load = HarnessLoad()
         self._lock = threading.Lock()
+        self._leases: dict[int, Callable[[], Awaitable[None]]] = {}
 
     def kv(self) -> KVStore:
         """The next shared client (round robin), as a node's own."""
@@ -149,6 +150,43 @@ class Swarm:
         self.load.wall_seconds = time.monotonic() - began
         self.load.cpu_seconds = _cpu() - cpu
 
+    def keep(self, lease_id: int, on_lost: Callable[[], Awaitable[None]]) -> None:
+        """Renew ``lease_id`` from now on; ``on_lost`` runs when etcd says it expired."""
+        self._leases[lease_id] = on_lost
+
+    def forget(self, lease_id: int) -> None:
+        self._leases.pop(lease_id, None)
+
+    async def keep_alive(self, stop: asyncio.Event, interval: float, batch: int = 128) -> None:
+        """Renew every kept lease each ``interval`` (ttl/4, as ``LeaseKeeper``).
+
+        Every node's lease gets its own keep-alive, as from its own agent, but up to
+        ``batch`` of them share one stream: a call per lease would make the harness's
+        Python, not etcd, the limit at a thousand nodes (measured: 0.9 cores).
+        """
+        while not stop.is_set():
+            began = time.monotonic()
+            ids = list(self._leases)
+            chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
+            results = await asyncio.gather(
+                *(self.call(self.kv().refresh_leases, chunk) for chunk in chunks),
+                return_exceptions=True)
+            for chunk, alive in zip(chunks, results):
+                if isinstance(alive, BaseException):
+                    self.retries.add("store_error")
+                    continue
+                for lease_id, ok in zip(chunk, alive):
+                    on_lost = self._leases.pop(lease_id, None)
+                    if not ok and on_lost is not None:
+                        self.retries.add("lease_lost")
+                        await on_lost()
+                    elif on_lost is not None:
+                        self._leases[lease_id] = on_lost
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, interval - (time.monotonic() - began)))
+            except asyncio.TimeoutError:
+                pass
+
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         for client in self._clients:
@@ -167,7 +205,8 @@ class SwarmNode:
         swarm: where its etcd calls go.
         node_id: unique within the run.
         limits: ``--nnodes MIN:MAX`` and the last-call window.
-        ttl: lease time-to-live; renewed every quarter of it, as ``LeaseKeeper`` does.
+        ttl: lease time-to-live; the swarm renews it every quarter of it (see
+            :meth:`Swarm.keep_alive`), as ``LeaseKeeper`` does.
         member_poll: the agent's re-read period while in a round (``reread_every``).
     """
 
@@ -203,6 +242,7 @@ class SwarmNode:
 
     async def stop(self, *, revoke: bool = True) -> None:
         """Leave: with ``revoke`` the key goes now (a graceful leave or an eviction)."""
+        self.swarm.forget(self.lease)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -225,7 +265,6 @@ class SwarmNode:
     # the agent's loop ----------------------------------------------------------------
     async def _run(self) -> None:
         await self._join()
-        self._tasks.append(asyncio.create_task(self._keep_alive()))
         while True:
             await self._step()
 
@@ -238,14 +277,17 @@ class SwarmNode:
             self.inbox.changed()
             loop.call_soon_threadsafe(self._wake.set)
 
-        self._cancels = [self.kv.on_change(self.registry.key(name), woken)
-                         for name in AGENT_WATCHES]
-        self._cancels.append(self.kv.on_change(self.registry.key("nodes/"), woken,
-                                               deletes_only=True))
+        # Arming waits for etcd's answer: on a worker thread, not the event loop.
+        for name in AGENT_WATCHES:
+            self._cancels.append(await self.swarm.call(
+                self.kv.on_change, self.registry.key(name), woken))
+        self._cancels.append(await self.swarm.call(
+            lambda: self.kv.on_change(self.registry.key("nodes/"), woken, deletes_only=True)))
 
     async def _register(self) -> None:
         self.lease = await self.swarm.call(self.kv.grant_lease, max(1, int(self.ttl.seconds)))
         await self.swarm.call(self.registry.register, self.info, self.lease)
+        self.swarm.keep(self.lease, self._lease_lost)
 
     async def _observe(self) -> tuple[Snapshot | None, bool]:
         """The run as the agent reads it: a snapshot when a decision needs one."""
@@ -292,17 +334,7 @@ class SwarmNode:
         elif isinstance(action, (policy.Exit, policy.CloseRun, policy.JoinTimedOut)):
             raise RuntimeError(f"{self.node_id}: unexpected {action} in a rendezvous swarm")
 
-    async def _keep_alive(self) -> None:
-        """Renew every ttl/4; a lost lease fences the node, which registers afresh."""
-        interval = max(0.2, self.ttl.total_seconds() / 4)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                alive = await self.swarm.call(self.kv.refresh_lease, self.lease)
-            except StoreError:
-                self.swarm.retries.add("store_error")
-                continue
-            if not alive:
-                self.swarm.retries.add("lease_lost")
-                self.inbox.fenced()
-                await self._register()
+    async def _lease_lost(self) -> None:
+        """The lease expired: the node is fenced and registers afresh, as an agent does."""
+        self.inbox.fenced()
+        await self._register()

@@ -34,20 +34,24 @@ class ElectedSwarmNode(SwarmNode):
 
     async def _register(self) -> None:
         self.lease = await self.swarm.call(self.kv.grant_lease, max(1, int(self.ttl.seconds)))
-        self._follow(await self.swarm.call(self.registry.join, self.info, self.lease))
+        await self._follow(await self.swarm.call(self.registry.join, self.info, self.lease))
+        self.swarm.keep(self.lease, self._lease_lost)
 
-    def _follow(self, joined: Joined) -> None:
+    async def _follow(self, joined: Joined) -> None:
         """Hold the run as ``joined`` read it and watch every change after that."""
         if self._cancel_watch is not None:
             self._cancel_watch()
-        self.view = RunView(self.registry.prefix, joined)
+        view = self.view = RunView(self.registry.prefix, joined)
         loop = asyncio.get_running_loop()
 
         def changed(changes: list[Change] | None) -> None:  # from a client's watch thread
             loop.call_soon_threadsafe(self._changed, changes)
 
-        self._cancel_watch = self.kv.watch_changes(self.view.watch_prefix, changed,
-                                                   start_revision=joined.revision + 1)
+        def arm() -> Callable[[], None]:  # waits for etcd's answer: not on the event loop
+            return self.kv.watch_changes(view.watch_prefix, changed,
+                                         start_revision=joined.revision + 1)
+
+        self._cancel_watch = await self.swarm.call(arm)
         self._cancels = [self._cancel_watch]
         self._wake.set()
 
@@ -82,7 +86,7 @@ class ElectedSwarmNode(SwarmNode):
                                                self.lease)
                 if joined.leader or self._resync:
                     self._resync = False
-                    self._follow(joined)
+                    await self._follow(joined)
                 else:
                     self.view.merge(joined)
         except StoreError:

@@ -15,6 +15,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from agents.swarm import HarnessLoad, Swarm, SwarmNode
@@ -52,7 +53,9 @@ class Phase:
     """etcd's answered calls in the window, by method."""
     round: Round | None = None
 
-    def per_node(self, exclude: tuple[str, ...] = ("watch_event",)) -> float:
+    def per_node(self, exclude: tuple[str, ...] = ("watch_event", "refresh_lease")) -> float:
+        """etcd calls per node for this event; keep-alives are per second, not per
+        round (:attr:`SwarmReport.lease_refresh_per_s`), and watch events are pushed."""
         return sum(n for k, n in self.ops.items() if k not in exclude) / self.n_nodes
 
     @property
@@ -98,7 +101,7 @@ async def _timed(name: str, swarm: Swarm, endpoint: str, nodes: list[SwarmNode],
 
 
 async def run_swarm(endpoint: str, n_nodes: int, *, node_class: type[SwarmNode] = SwarmNode,
-                    events: bool = True, clients: int = 8, workers: int = 64,
+                    events: bool = True, clients: int = 16, workers: int = 64,
                     timeout: float = 60.0, settle: float = 3.0, **node_kwargs: Any
                     ) -> SwarmReport:
     """Form a round of ``n_nodes``; with ``events``, then evict one node and admit one.
@@ -116,6 +119,8 @@ async def run_swarm(endpoint: str, n_nodes: int, *, node_class: type[SwarmNode] 
     report = SwarmReport(load=swarm.load)
     stop = asyncio.Event()
     monitor = asyncio.create_task(swarm.monitor(stop))
+    ttl = node_kwargs.get("ttl", timedelta(seconds=10))
+    keeper = asyncio.create_task(swarm.keep_alive(stop, max(0.2, ttl.total_seconds() / 4)))
     try:
         async def start_all() -> None:
             for node in nodes:
@@ -148,7 +153,7 @@ async def run_swarm(endpoint: str, n_nodes: int, *, node_class: type[SwarmNode] 
                 admit))
     finally:
         stop.set()
-        await monitor
+        await asyncio.gather(monitor, keeper)
         await asyncio.gather(*(node.stop() for node in nodes))
         swarm.close()
     return report

@@ -105,6 +105,12 @@ class CountingKV:
         self.counter.add("refresh_lease")
         return self.inner.refresh_lease(lease_id)
 
+    def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
+        """Counted per lease as ``refresh_lease``: each is a keep-alive etcd handles."""
+        for _ in lease_ids:
+            self.counter.add("refresh_lease")
+        return self.inner.refresh_leases(lease_ids)
+
     def revoke_lease(self, lease_id: int) -> None:
         self.counter.add("revoke_lease")
         self.inner.revoke_lease(lease_id)

@@ -335,6 +335,15 @@ class EtcdKV:
         return bool(responses) and int(responses[0].TTL) > 0
 
     @_translated
+    def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
+        requests = [etcdrpc.LeaseKeepAliveRequest(ID=lease_id) for lease_id in lease_ids]
+        responses = self._client.leasestub.LeaseKeepAlive(
+            iter(requests), self._timeout, credentials=self._client.call_credentials,
+            metadata=self._client.metadata)
+        ttls = {int(r.ID): int(r.TTL) for r in responses}
+        return [ttls.get(lease_id, 0) > 0 for lease_id in lease_ids]
+
+    @_translated
     def revoke_lease(self, lease_id: int) -> None:
         try:
             self._client.revoke_lease(lease_id)

@@ -107,6 +107,12 @@ class KVStore(Protocol):
         """Keep a lease alive; False when it has already expired."""
         ...
 
+    def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
+        """Keep many leases alive in one call (one keep-alive stream); per lease, False
+        when it has already expired. How a process holding many nodes' leases (an
+        agent group, a simulator) renews them without a call per lease."""
+        ...
+
     def revoke_lease(self, lease_id: int) -> None: ...
 
     def on_change(

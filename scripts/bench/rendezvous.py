@@ -111,7 +111,8 @@ def torch_c10d_round(server: dist.TCPStore, n_nodes: int, timeout: float) -> Tor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128])
-    parser.add_argument("--clients", type=int, default=8, help="shared etcd channels")
+    parser.add_argument("--clients", type=int, default=16, help="shared etcd channels")
+    parser.add_argument("--workers", type=int, default=64, help="threads for blocking calls")
     parser.add_argument("--agent-max", type=int, default=128,
                         help="largest N for the agent protocol (O(N^2) reads)")
     parser.add_argument("--torch-max", type=int, default=128)
@@ -127,7 +128,7 @@ def main() -> None:
                 if name == "agent" and n > args.agent_max:
                     continue
                 report = asyncio.run(run_swarm(etcd.endpoint, n, node_class=node_class,
-                                               clients=args.clients))
+                                               clients=args.clients, workers=args.workers))
                 reports[(name, n)] = report
                 _print_details(f"{name} n={n}", report)
         server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
@@ -171,7 +172,7 @@ def _print_table(reports: dict[tuple[str, int], SwarmReport],
         line += (f"{ref.seconds:>7.2f} {ref.ops / n:>5.1f} {ref.joined:>4}/{n}" if ref
                  else f"{'-':>7} {'-':>5} {'-':>6}")
         print(line)
-    print("ops/n: etcd calls per node in the phase (keep-alives included, watch events not); "
+    print("ops/n: etcd calls per node in the phase (keep-alives and watch events apart); "
           "k-a/s: keep-alives per second in the formed round")
     print("targets: form 128 <= 1.0 s, 256 <= 1.5 s, 1024 <= 3 s; <= 3 ops/node flat; "
           "lose 1 at 1024 <= 2 s")

@@ -140,6 +140,12 @@ class KVStoreContract:
         assert kv.get(prefix + "node") is not None
         kv.revoke_lease(lease)
 
+    def test_refresh_leases_renews_many_and_names_the_expired(self, kv: KVStore) -> None:
+        alive, gone = kv.grant_lease(5), kv.grant_lease(5)
+        kv.revoke_lease(gone)
+        assert kv.refresh_leases([alive, gone, alive]) == [True, False, True]
+        kv.revoke_lease(alive)
+
     def test_on_change_fires_for_writes_under_the_prefix_until_cancelled(
         self, kv: KVStore, prefix: str
     ) -> None:
