@@ -231,6 +231,10 @@ class SwarmNode:
         self.rounds: list[Round] = []
         """Every round this node took part in, in order."""
         self.proposed: list[Round] = []
+        self.joined_at = 0.0
+        """Monotonic time the node's registration (and watch) was done."""
+        self.proposed_at: list[float] = []
+        """Monotonic time of each won proposal."""
         self._wake = asyncio.Event()
         self._round_seen = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -265,6 +269,7 @@ class SwarmNode:
     # the agent's loop ----------------------------------------------------------------
     async def _run(self) -> None:
         await self._join()
+        self.joined_at = time.monotonic()
         while True:
             await self._step()
 
@@ -318,6 +323,7 @@ class SwarmNode:
                 self.swarm.retries.add("lost_proposal")
             else:
                 self.proposed.append(written)
+                self.proposed_at.append(time.monotonic())
         elif isinstance(action, (policy.StartWorkers, policy.FollowRound)):
             if not self.rounds or self.rounds[-1].number != action.round.number:
                 self.rounds.append(action.round)

@@ -52,6 +52,10 @@ class Phase:
     etcd: dict[str, float]
     """etcd's answered calls in the window, by method."""
     round: Round | None = None
+    began: float = 0.0
+    """Monotonic time of the event."""
+    milestones: dict[str, float] = field(default_factory=dict)
+    """Seconds from the event to each step on the way (where the time went)."""
 
     def per_node(self, exclude: tuple[str, ...] = ("watch_event", "refresh_lease")) -> float:
         """etcd calls per node for this event; keep-alives are per second, not per
@@ -97,7 +101,7 @@ async def _timed(name: str, swarm: Swarm, endpoint: str, nodes: list[SwarmNode],
         raise AssertionError(f"{name}: nodes disagree on the round")
     etcd = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
     return Phase(name, len(nodes), seconds, swarm.counter.snapshot(), swarm.retries.snapshot(),
-                 etcd, held[0])
+                 etcd, held[0], began)
 
 
 async def run_swarm(endpoint: str, n_nodes: int, *, node_class: type[SwarmNode] = SwarmNode,
@@ -128,6 +132,9 @@ async def run_swarm(endpoint: str, n_nodes: int, *, node_class: type[SwarmNode] 
 
         formed = await _timed("form", swarm, endpoint, nodes, lambda r: True, timeout,
                               start_all)
+        formed.milestones = {
+            "all joined": max(n.joined_at for n in nodes) - formed.began,
+            "round written": min(t for n in nodes for t in n.proposed_at) - formed.began}
         report.phases.append(formed)
         swarm.counter.reset()
         await asyncio.sleep(settle)
