@@ -122,9 +122,6 @@ class Swarm:
         """The next shared client (round robin), as a node's own."""
         return self._clients[next(self._next) % len(self._clients)]
 
-    def registry(self) -> RunRegistry:
-        return RunRegistry(self.kv(), self.run_id)
-
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run one blocking etcd call on a worker thread, recording how long it queued."""
         submitted = time.monotonic()
@@ -179,7 +176,10 @@ class Swarm:
                     on_lost = self._leases.pop(lease_id, None)
                     if not ok and on_lost is not None:
                         self.retries.add("lease_lost")
-                        await on_lost()
+                        try:
+                            await on_lost()
+                        except StoreError:  # it registers again at the next lost renewal
+                            self.retries.add("store_error")
                     elif on_lost is not None:
                         self._leases[lease_id] = on_lost
             try:

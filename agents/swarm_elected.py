@@ -23,6 +23,8 @@ from elastic_rt.rendezvous.rounds import Snapshot
 
 
 class ElectedSwarmNode(SwarmNode):
+    """A :class:`SwarmNode` that joins with one transaction and learns the run by watch."""
+
     view: RunView | None = None
     _resync = False
     _cancel_watch: Callable[[], None] | None = None
