@@ -430,8 +430,8 @@ def finished_without_us(state: AgentState, snapshot: Snapshot, obs: Observation,
     a worker that did join may still be writing its outputs, so it is never cut short.
     """
     round_ = snapshot.round
-    if round_ is None or me not in round_.members:
-        return False
+    if round_ is None or me not in round_.members or not snapshot.nodes_known:
+        return False  # a follower cannot tell who left; the leader's rounds will
     if any(m in snapshot.nodes for m in round_.members if m != me):
         return False
     if obs.workers is not WorkerState.RUNNING:
@@ -444,7 +444,8 @@ def finished_without_us(state: AgentState, snapshot: Snapshot, obs: Observation,
 # joining, alarms and failures ------------------------------------------------------------
 def is_stale_run(snapshot: Snapshot) -> bool:
     """A finished run with nobody left: a new launch with the same id starts afresh."""
-    return (snapshot.closed is not None or snapshot.completing) and not snapshot.nodes
+    return ((snapshot.closed is not None or snapshot.completing) and snapshot.nodes_known
+            and not snapshot.nodes)
 
 
 def joins_in_standby(snapshot: Snapshot, me: str) -> bool:

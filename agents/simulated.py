@@ -4,8 +4,8 @@ A :class:`SimulatedNode` registers on a real lease
 (:class:`~elastic_rt.rendezvous.lease.LeaseKeeper`) and runs
 :func:`agents.policy.decide` on a thread, exactly as an agent does, with no
 workers: starting them only records the round. Dozens fit in one process, which is
-how the integration tests and ``scripts/bench/rendezvous.py`` put many nodes on one
-etcd.
+how the integration tests put many nodes on one etcd (agents/swarm.py holds
+a thousand for the benchmark).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable
 
@@ -217,21 +216,6 @@ class SimulatedNode:
         self.inbox.fenced()
 
 
-@dataclass(frozen=True)
-class FormResult:
-    """How one round formed: wall time, store calls, and what every node agreed on."""
-
-    n_nodes: int
-    seconds: float
-    ops: dict[str, int]
-    rounds: dict[str, Round]
-    """Each node's first round."""
-
-    @property
-    def total_ops(self) -> int:
-        return sum(n for name, n in self.ops.items() if name != "watch_event")
-
-
 def start_nodes(
     endpoint: str,
     run_id: str,
@@ -262,49 +246,3 @@ def stop_nodes(nodes: Iterable[SimulatedNode], *, revoke: bool = True) -> None:
     for node in nodes:
         node.stop(revoke=revoke)
         node.kv.close()
-
-
-def form_round(
-    endpoint: str,
-    run_id: str,
-    n_nodes: int,
-    *,
-    ttl: timedelta = timedelta(seconds=10),
-    timeout: float = 60.0,
-    **node_kwargs: object,
-) -> FormResult:
-    """Start ``n_nodes`` nodes with ``--nnodes n:n`` and time until all are in round 0.
-
-    Clients are connected before the clock starts (a real node connects before it
-    joins); the time covers registration, the proposal and every node seeing it.
-    Operations are counted over the same window.
-
-    Raises:
-        TimeoutError: the round did not form within ``timeout``.
-    """
-    limits = Limits(min_nodes=n_nodes, max_nodes=n_nodes)
-    counter = OpCounter()
-    clients = [CountingKV(EtcdKV(endpoint), counter) for _ in range(n_nodes)]
-    nodes = [
-        SimulatedNode(
-            kv, run_id, f"node-{i:03d}", limits, ttl=ttl, **node_kwargs  # type: ignore[arg-type]
-        )
-        for i, kv in enumerate(clients)
-    ]
-    counter.reset()
-    began = time.monotonic()
-    try:
-        for node in nodes:
-            node.start()
-        deadline = began + timeout
-        rounds_ = {
-            node.node_id: node.wait_for_round(
-                lambda r: r.number == 0, max(0.0, deadline - time.monotonic())
-            )
-            for node in nodes
-        }
-        seconds = time.monotonic() - began
-        ops = counter.snapshot()
-    finally:
-        stop_nodes(nodes)
-    return FormResult(n_nodes=n_nodes, seconds=seconds, ops=ops, rounds=rounds_)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
-from elastic_rt.rendezvous.kv import KeyValue, KVStore
+from elastic_rt.rendezvous.kv import Change, KeyValue, KVStore, TxnOp, TxnResult
 
 
 class FakeClock:
@@ -84,6 +84,11 @@ class CountingKV:
         self.counter.add("put_if")
         return self.inner.put_if(key, value, expect=expect, lease=lease)
 
+    def txn(self, expect: dict[str, int], success: Sequence[TxnOp],
+            failure: Sequence[TxnOp] = ()) -> TxnResult:
+        self.counter.add("txn")
+        return self.inner.txn(expect, success, failure)
+
     def delete(self, key: str) -> bool:
         self.counter.add("delete")
         return self.inner.delete(key)
@@ -100,6 +105,12 @@ class CountingKV:
         self.counter.add("refresh_lease")
         return self.inner.refresh_lease(lease_id)
 
+    def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
+        """Counted per lease as ``refresh_lease``: each is a keep-alive etcd handles."""
+        for _ in lease_ids:
+            self.counter.add("refresh_lease")
+        return self.inner.refresh_leases(lease_ids)
+
     def revoke_lease(self, lease_id: int) -> None:
         self.counter.add("revoke_lease")
         self.inner.revoke_lease(lease_id)
@@ -113,6 +124,16 @@ class CountingKV:
             callback()
 
         return self.inner.on_change(prefix, counted, deletes_only=deletes_only)
+
+    def watch_changes(self, prefix: str, callback: Callable[[list[Change] | None], None], *,
+                      start_revision: int) -> Callable[[], None]:
+        self.counter.add("watch")
+
+        def counted(changes: list[Change] | None) -> None:
+            self.counter.add("watch_event")
+            callback(changes)
+
+        return self.inner.watch_changes(prefix, counted, start_revision=start_revision)
 
     def close(self) -> None:
         self.inner.close()

@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Callable, TypeVar, cast
+from typing import Any, Callable, Sequence, TypeVar, cast
 
 # gRPC's core logs an INFO line at every fork (the agent forks workers); keep errors only.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -25,6 +25,8 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import etcd3  # noqa: E402 - after the gRPC setting above
+import etcd3.events  # noqa: E402
+import etcd3.utils  # noqa: E402
 import etcd3.watch  # noqa: E402
 from etcd3 import etcdrpc  # noqa: E402
 import grpc  # noqa: E402
@@ -37,7 +39,7 @@ from elastic_rt.errors import (  # noqa: E402
     ElasticError,
     StoreConnectionError,
 )
-from elastic_rt.rendezvous.kv import KeyValue  # noqa: E402
+from elastic_rt.rendezvous.kv import Change, Get, KeyValue, TxnOp, TxnResult  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +290,34 @@ class EtcdKV:
         return int(meta.mod_revision)
 
     @_translated
+    def txn(self, expect: dict[str, int], success: Sequence[TxnOp],
+            failure: Sequence[TxnOp] = ()) -> TxnResult:
+        tx = self._client.transactions
+        compares = [
+            tx.version(k) == 0 if rev == 0 else tx.mod(k) == rev for k, rev in expect.items()
+        ]
+        # The client's transaction() drops the header, and with it the revision the
+        # reads were taken at, which a watch must start after; so call the stub.
+        request = etcdrpc.TxnRequest(
+            compare=[c.build_message() for c in compares],
+            success=self._client._ops_to_requests([self._op(op) for op in success]),
+            failure=self._client._ops_to_requests([self._op(op) for op in failure]),
+        )
+        response = self._client.kvstub.Txn(request, self._timeout,
+                                           credentials=self._client.call_credentials,
+                                           metadata=self._client.metadata)
+        reads = [[_pb_kv(kv) for kv in r.response_range.kvs] for r in response.responses
+                 if r.WhichOneof("response") == "response_range"]
+        return TxnResult(bool(response.succeeded), int(response.header.revision), reads)
+
+    def _op(self, op: TxnOp) -> Any:
+        tx = self._client.transactions
+        if isinstance(op, Get):
+            end = etcd3.utils.prefix_range_end(op.key.encode()) if op.prefix else None
+            return tx.get(op.key, range_end=end)
+        return tx.put(op.key, op.value, op.lease)
+
+    @_translated
     def delete(self, key: str) -> bool:
         return bool(self._client.delete(key))
 
@@ -303,6 +333,15 @@ class EtcdKV:
     def refresh_lease(self, lease_id: int) -> bool:
         responses = list(self._client.refresh_lease(lease_id))
         return bool(responses) and int(responses[0].TTL) > 0
+
+    @_translated
+    def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
+        requests = [etcdrpc.LeaseKeepAliveRequest(ID=lease_id) for lease_id in lease_ids]
+        responses = self._client.leasestub.LeaseKeepAlive(
+            iter(requests), self._timeout, credentials=self._client.call_credentials,
+            metadata=self._client.metadata)
+        ttls = {int(r.ID): int(r.TTL) for r in responses}
+        return [ttls.get(lease_id, 0) > 0 for lease_id in lease_ids]
 
     @_translated
     def revoke_lease(self, lease_id: int) -> None:
@@ -322,6 +361,28 @@ class EtcdKV:
         watch = _Watch(self, prefix, callback, deletes_only=deletes_only)
         watch.arm()
         return watch.cancel
+
+    @_translated
+    def watch_changes(self, prefix: str, callback: Callable[[list[Change] | None], None], *,
+                      start_revision: int) -> Callable[[], None]:
+        def relay(response: Any) -> None:
+            if isinstance(response, Exception):
+                callback(None)
+                return
+            callback([Change(_pb_kv(event._event.kv),
+                             isinstance(event, etcd3.events.DeleteEvent))
+                      for event in response.events])
+
+        watch_id = self._client.add_watch_prefix_callback(prefix, relay,
+                                                          start_revision=start_revision)
+
+        def cancel() -> None:
+            try:
+                self._client.cancel_watch(watch_id)
+            except Exception:  # noqa: BLE001 - a dead store has nothing left to cancel
+                logger.debug("cancelling watch on %s failed", prefix, exc_info=True)
+
+        return cancel
 
     @_translated
     def _add_watch(
@@ -363,6 +424,12 @@ def _channel_credentials(auth: EtcdAuth) -> grpc.ChannelCredentials:
         private_key=contents["--etcd-key"],
         certificate_chain=contents["--etcd-cert"],
     )
+
+
+def _pb_kv(kv: Any) -> KeyValue:
+    """A KeyValue from etcd's own protobuf record (a range or watch result)."""
+    return KeyValue(key=kv.key.decode(), value=bytes(kv.value), mod_revision=int(kv.mod_revision),
+                    create_revision=int(kv.create_revision), lease=int(kv.lease))
 
 
 def _short(details: str) -> str:

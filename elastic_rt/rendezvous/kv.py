@@ -9,7 +9,7 @@ assertions against any implementation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,44 @@ class KeyValue:
     mod_revision: int
     create_revision: int
     lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """A write inside :meth:`KVStore.txn`."""
+
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    """A read inside :meth:`KVStore.txn`: one key, or every key under it with ``prefix``."""
+
+    key: str
+    prefix: bool = False
+
+
+TxnOp = Put | Get
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    succeeded: bool
+    """Whether every comparison held (the success branch ran)."""
+    revision: int
+    """The store's revision after the transaction: what it read is as of this revision."""
+    reads: list[list[KeyValue]]
+    """One list per :class:`Get` of the branch that ran, in order (empty: no such key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One event of :meth:`KVStore.watch_changes`: the key as written, or as deleted."""
+
+    kv: KeyValue
+    deleted: bool
 
 
 @runtime_checkable
@@ -53,6 +91,12 @@ class KVStore(Protocol):
         """
         ...
 
+    def txn(self, expect: dict[str, int], success: Sequence[TxnOp],
+            failure: Sequence[TxnOp] = ()) -> TxnResult:
+        """Run ``success`` if every key in ``expect`` has that mod_revision (0: absent),
+        else ``failure``; one round trip, atomic, so reads see the writes before them."""
+        ...
+
     def delete(self, key: str) -> bool: ...
 
     def delete_prefix(self, prefix: str) -> None: ...
@@ -61,6 +105,12 @@ class KVStore(Protocol):
 
     def refresh_lease(self, lease_id: int) -> bool:
         """Keep a lease alive; False when it has already expired."""
+        ...
+
+    def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
+        """Keep many leases alive in one call (one keep-alive stream); per lease, False
+        when it has already expired. How a process holding many nodes' leases (an
+        agent group, a simulator) renews them without a call per lease."""
         ...
 
     def revoke_lease(self, lease_id: int) -> None: ...
@@ -74,6 +124,17 @@ class KVStore(Protocol):
 
         Returns a function that cancels the watch. A broken watch (store restarted)
         calls ``callback`` once more and then stays silent; callers also poll.
+        """
+        ...
+
+    def watch_changes(self, prefix: str, callback: Callable[[list[Change] | None], None], *,
+                      start_revision: int) -> Callable[[], None]:
+        """Deliver every change under ``prefix`` from ``start_revision`` on, in order.
+
+        Unlike :meth:`on_change` the events carry the keys, so a reader that read
+        everything at revision R and watches from R + 1 holds a current copy without
+        reading again. ``callback(None)`` means the stream broke (events may be
+        lost): read afresh and watch again. Returns a function that cancels it.
         """
         ...
 

@@ -5,6 +5,8 @@ Key layout under ``/elastic_rt/<run_id>/``:
 ==================  ===========================================================
 ``nodes/<node>``    :class:`NodeInfo` on the node's lease (gone when it dies)
 ``round``           the current :class:`Round`; its mod_revision is the token
+``round-leader``    the node that proposes rounds, on its lease (see election.py);
+                    under the ``round`` prefix so one watch shows followers both
 ``store/<k>``       ``host:port`` of round k's c10d store, written by its host
 ``restarts``        worker failures so far (the job-wide restart budget)
 ``failure/<k>``     the first worker failure reported in round k
@@ -28,11 +30,59 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from dataclasses import dataclass
+from typing import Mapping
 
 from elastic_rt.errors import FencedOutError
-from elastic_rt.rendezvous.kv import KVStore
+from elastic_rt.rendezvous.kv import Get, KeyValue, KVStore, Put
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
 from elastic_rt.root_cause import RootCause
+
+LEADER = "round-leader"
+FOLLOWED = ("round", LEADER, "closed", "completing", "alarm", "in_process")
+"""The keys a follower's decisions read: everything but the registrations."""
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """What one join (or leadership claim) transaction returned."""
+
+    leader: bool
+    """This node holds the leader key now."""
+    revision: int
+    """The store's revision the reads were taken at: watch from the next one."""
+    items: dict[str, KeyValue]
+    """Keys by name relative to the run's prefix: the whole run for a leader, else
+    the :data:`FOLLOWED` keys that exist."""
+
+
+def node_from(item: KeyValue) -> NodeInfo:
+    return NodeInfo.from_json(item.value, joined_revision=item.create_revision, lease=item.lease)
+
+
+def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
+                  nodes: Mapping[str, NodeInfo] | None = None) -> Snapshot:
+    """Decode a run's keys (names relative to its prefix) into a :class:`Snapshot`.
+
+    ``nodes``, when given, are the registrations already decoded (a watcher keeps
+    them as they change); else they are decoded from ``items``.
+    """
+    if nodes is None:
+        nodes = {info.node_id: info for info in
+                 (node_from(item) for name, item in items.items() if name.startswith("nodes/"))}
+    round_kv = items.get("round")
+    closed = items.get("closed")
+    alarm = items.get("alarm")
+    return Snapshot(
+        round=(Round.from_json(round_kv.value, token=round_kv.mod_revision)
+               if round_kv else None),
+        nodes=nodes,
+        closed=closed.value.decode() if closed else None,
+        completing="completing" in items,
+        in_process="in_process" in items,
+        alarm=(int(json.loads(alarm.value)["round"]), alarm.mod_revision) if alarm else None,
+        nodes_known=nodes_known,
+    )
 
 
 class RunRegistry:
@@ -65,26 +115,32 @@ class RunRegistry:
 
     def snapshot(self) -> Snapshot:
         # One range read of the whole run: O(nodes) per poll, one round trip.
-        items = {kv.key[len(self.prefix) :]: kv for kv in self.kv.get_prefix(self.prefix)}
-        nodes = {}
-        for name, item in items.items():
-            if name.startswith("nodes/"):
-                info = NodeInfo.from_json(
-                    item.value, joined_revision=item.create_revision, lease=item.lease
-                )
-                nodes[info.node_id] = info
-        round_kv = items.get("round")
-        closed = items.get("closed")
-        alarm = items.get("alarm")
-        return Snapshot(
-            round=(Round.from_json(round_kv.value, token=round_kv.mod_revision)
-                   if round_kv else None),
-            nodes=nodes,
-            closed=closed.value.decode() if closed else None,
-            completing="completing" in items,
-            in_process="in_process" in items,
-            alarm=(int(json.loads(alarm.value)["round"]), alarm.mod_revision) if alarm else None,
+        return snapshot_from({kv.key[len(self.prefix):]: kv
+                              for kv in self.kv.get_prefix(self.prefix)})
+
+    # one transaction to register, claim the leadership if free, and read ----------
+    def join(self, info: NodeInfo, lease: int) -> Joined:
+        """Register ``info`` on ``lease``; become leader if there is none.
+
+        One round trip: the leader gets the whole run (registrations included), a
+        follower only the :data:`FOLLOWED` keys, as of the same revision.
+        """
+        register = Put(self.key(f"nodes/{info.node_id}"), info.to_json(), lease)
+        return self._claim(info.node_id, lease, [register])
+
+    def claim_leadership(self, node_id: str, lease: int) -> Joined:
+        """Take the leader key if it is free (the leader's lease ended)."""
+        return self._claim(node_id, lease, [])
+
+    def _claim(self, node_id: str, lease: int, writes: list[Put]) -> Joined:
+        leader = self.key(LEADER)
+        result = self.kv.txn(
+            {leader: 0},
+            [Put(leader, node_id.encode(), lease), *writes, Get(self.prefix, prefix=True)],
+            [*writes, *(Get(self.key(name)) for name in FOLLOWED)],
         )
+        items = {kv.key[len(self.prefix):]: kv for read in result.reads for kv in read}
+        return Joined(result.succeeded, result.revision, items)
 
     def current_round(self) -> Round | None:
         item = self.kv.get(self.key("round"))

@@ -16,6 +16,11 @@ Rules:
   waiting nodes (up to ``max_nodes``), if at least ``min_nodes`` remain.
 - Waiting nodes are taken in at once while the round has fewer than ``max_nodes``.
 - Survivors keep their relative order, so their ranks move as little as possible.
+- A node that does not see the registrations (``Snapshot.nodes_known`` false: a
+  follower of the run's leader, see :mod:`elastic_rt.rendezvous.election`) never
+  proposes: it takes part in the current round if listed, else waits. Only the
+  leader, which watches the registrations, decides on losses and admissions; so a
+  round costs one write, not a race of every node.
 """
 
 from __future__ import annotations
@@ -123,6 +128,8 @@ class Snapshot:
     """(round, revision) of the last worker alarm: a collective failed in that round."""
     in_process: bool = False
     """The run's workers recover in place (an agent saw them say so)."""
+    nodes_known: bool = True
+    """False for a follower, whose view holds no registrations: ``nodes`` is empty."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +190,8 @@ def decide(
         if current is not None and me in current.members:
             return Participate(current)
         return Closed("the job is finishing")
+    if not snapshot.nodes_known:
+        return _follow(current, me)
     if current is None:
         return _first_round(snapshot, limits, now=now, quorum_since=quorum_since, now_ms=now_ms)
 
@@ -206,6 +215,15 @@ def decide(
         _make_round(current.number + 1, members, snapshot.nodes, reason, now_ms),
         expected_token=current.token,
     )
+
+
+def _follow(current: Round | None, me: str) -> Action:
+    """A follower's whole rule: the leader forms rounds, the follower takes its place."""
+    if current is None:
+        return Wait("waiting for the leader to form the first round")
+    if me in current.members:
+        return Participate(current)
+    return Wait("waiting for the leader to admit this node")
 
 
 def _first_round(

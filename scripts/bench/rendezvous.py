@@ -1,37 +1,35 @@
-"""Rendezvous at scale: N simulated nodes form one round, elastic-rt beside torch c10d.
+"""Rendezvous at scale: N simulated nodes form one round, lose one, admit one; torch c10d beside.
 
-Every node is a thread with its own client (elastic-rt: an etcd client, a lease
-keeper and the agent's decide loop; torch: a TCPStore client and a
-``DynamicRendezvousHandler`` over the ``c10d`` backend). The clock starts when all
-clients are connected and stops when every node holds the round. Operations are the
-calls each node sends to its store in that window, counted by a wrapper:
+elastic-rt's nodes run in a swarm (agents/swarm.py): every node is a coroutine with
+its own lease, key and keep-alive that runs the agent's own decisions
+(agents/policy.py), and its etcd calls go through a few shared clients, so 1024
+nodes fit on two cores. Each phase is timed from its event (all nodes start; one
+node's lease is revoked, as an agent evicts a peer whose liveness socket refuses;
+one node starts) to every node holding the new round. Operations are the calls the
+nodes send (by kind; watch events pushed by etcd apart), retries are calls etcd
+failed and proposals that lost the compare, and etcd's request rate comes from its
+own /metrics. The run fails (exit 2) when the harness was the bottleneck.
 
-- elastic-rt: every :class:`~elastic_rt.rendezvous.kv.KVStore` call (reads, writes,
-  leases, watch set-up); watch events pushed by etcd are shown apart.
-- torch: every ``get``/``compare_set`` its c10d backend sends for the rendezvous
-  state. Not counted: the 2 calls per node that share the bootstrap store address
-  after the round (``RendezvousStoreInfo``).
+torch: every node is a thread with a TCPStore client and a DynamicRendezvousHandler
+over the c10d backend, counted at its store calls (not counted: the 2 calls per node
+that share the bootstrap store address after the round). It runs up to
+``--torch-max`` nodes, each with ``--torch-timeout``; a timeout is reported as how far
+it got.
 
-Both elastic-rt loops run the agent's own decisions (agents/policy.py, through
-agents/simulated.py) and differ in when they wake. ``agent`` is what agents/agent.py does (wake
-only on writes that change a decision — for forming a round, the round key — and
-re-read at most once a second while in a round); ``any-write`` is the first
-design, kept for comparison (wake on any write under the run's prefix, a full
-snapshot every 0.1 s in a round), which was O(N^2) reads per round.
-
-Run:  python scripts/bench/rendezvous.py [--nodes 32 64 128] [--repeats 3]
+Run:  python scripts/bench/rendezvous.py [--nodes 8 32 128 256 1024] [--torch-max 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -40,21 +38,24 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from agents.simulated import form_round
+from agents.swarm import SwarmNode
+from agents.swarm_elected import ElectedSwarmNode
+from agents.swarm_run import HarnessBound, SwarmReport, run_swarm
+
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.testing import OpCounter
 
-LOOPS: dict[str, dict[str, Any]] = {
-    "agent": {"wake_on": "round", "member_poll": 1.0},
-    "any-write": {},
-}
+PROTOCOLS: dict[str, type[SwarmNode]] = {"elected": ElectedSwarmNode, "agent": SwarmNode}
+"""``elected``: one leader proposes, followers watch (election.py); ``agent``: every
+node reads the run and races to propose, as agents/agent.py does today."""
 
 
 @dataclass(frozen=True)
-class Trial:
+class TorchTrial:
     seconds: float
     ops: int
-    detail: dict[str, int]
+    joined: int
+    """Nodes that held the round when the clock stopped (all of them unless it timed out)."""
 
 
 class _CountingBackend(C10dRendezvousBackend):
@@ -69,7 +70,8 @@ class _CountingBackend(C10dRendezvousBackend):
         return super()._call_store(store_op, *args, **kwargs)
 
 
-def torch_c10d_round(server: dist.TCPStore, n_nodes: int, timeout: float = 120.0) -> Trial:
+def torch_c10d_round(server: dist.TCPStore, n_nodes: int, timeout: float) -> TorchTrial:
+    """Time torch's rendezvous of ``n_nodes`` threads; on timeout, how many got through."""
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     counter = OpCounter()
     handlers = []
@@ -83,92 +85,102 @@ def torch_c10d_round(server: dist.TCPStore, n_nodes: int, timeout: float = 120.0
             )
         )  # fmt: skip
     counter.reset()
-    done = threading.Barrier(n_nodes + 1, timeout=timeout)
-    errors: list[BaseException] = []
+    lock, joined, all_in = threading.Lock(), [0], threading.Event()
 
     def join(handler: DynamicRendezvousHandler) -> None:
         try:
             handler.next_rendezvous()
-        except BaseException as exc:  # noqa: BLE001 - thread boundary: report below
-            errors.append(exc)
-        done.wait()
+        except BaseException:  # noqa: BLE001 - thread boundary: a timeout shows in `joined`
+            return
+        with lock:
+            joined[0] += 1
+            if joined[0] == n_nodes:
+                all_in.set()
 
     threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
     began = time.monotonic()
     for thread in threads:
         thread.start()
-    done.wait()
+    all_in.wait(timeout)
     seconds = time.monotonic() - began
-    detail = counter.snapshot()
-    if errors:
-        raise RuntimeError(f"torch rendezvous failed: {errors[0]!r}") from errors[0]
     for handler in handlers:
         handler._stop_heartbeats()  # no public way to stop them without closing the run
-    return Trial(seconds, sum(detail.values()), detail)
-
-
-def elastic_rt_round(endpoint: str, n_nodes: int, loop: str) -> Trial:
-    result = form_round(endpoint, f"bench-{uuid.uuid4().hex[:8]}", n_nodes, **LOOPS[loop])
-    tokens = {r.token for r in result.rounds.values()}
-    if len(tokens) != 1:
-        raise RuntimeError(f"nodes disagree on the round: tokens {tokens}")
-    return Trial(result.seconds, result.total_ops, result.ops)
-
-
-def median_trial(trials: list[Trial]) -> Trial:
-    ordered = sorted(trials, key=lambda t: t.seconds)
-    return ordered[len(ordered) // 2]
+    return TorchTrial(seconds, counter.total(), joined[0])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, nargs="+", default=[32, 64, 128])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=list(LOOPS))
+    parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--clients", type=int, default=16, help="shared etcd channels")
+    parser.add_argument("--workers", type=int, default=64, help="threads for blocking calls")
+    parser.add_argument("--agent-max", type=int, default=128,
+                        help="largest N for the agent protocol (O(N^2) reads)")
+    parser.add_argument("--torch-max", type=int, default=128)
+    parser.add_argument("--torch-timeout", type=float, default=60.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
-    results: dict[tuple[str, int], list[Trial]] = {}
+    reports: dict[tuple[str, int], SwarmReport] = {}
+    torch_trials: dict[int, TorchTrial] = {}
     with EtcdServer() as etcd:
-        server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
         for n in args.nodes:
-            for _ in range(args.repeats):
-                for loop in args.loops:
-                    trial = elastic_rt_round(etcd.endpoint, n, loop)
-                    results.setdefault((loop, n), []).append(trial)
-                results.setdefault(("torch-c10d", n), []).append(torch_c10d_round(server, n))
-            _print_row_details(results, n, args.loops)
-    _print_table(results, args.nodes, args.loops, args.repeats)
+            for name, node_class in PROTOCOLS.items():
+                if name == "agent" and n > args.agent_max:
+                    continue
+                report = asyncio.run(run_swarm(etcd.endpoint, n, node_class=node_class,
+                                               clients=args.clients, workers=args.workers))
+                reports[(name, n)] = report
+                _print_details(f"{name} n={n}", report)
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
+        for n in (n for n in args.nodes if n <= args.torch_max):
+            torch_trials[n] = torch_c10d_round(server, n, args.torch_timeout)
+    _print_table(reports, torch_trials)
+    bound = [f"{key}: {r.load.verdict()}" for key, r in reports.items() if r.load.verdict()]
+    if bound:
+        print(f"HARNESS-BOUND, figures not etcd's: {bound}", file=sys.stderr)
+        raise SystemExit(2)
 
 
-def _print_row_details(
-    results: dict[tuple[str, int], list[Trial]], n: int, loops: list[str]
-) -> None:
-    for system in [*loops, "torch-c10d"]:
-        trials = results[(system, n)]
-        times = " ".join(f"{t.seconds:.2f}" for t in trials)
-        detail = median_trial(trials).detail
-        print(f"n={n:<4} {system:<10} seconds: {times:<20} ops of median: {detail}")
+def _print_details(label: str, report: SwarmReport) -> None:
+    for phase in report.phases:
+        ops = {k: v for k, v in sorted(phase.ops.items())}
+        print(f"{label:<16} {phase.name:<7} {phase.seconds:6.2f} s  ops {ops}  retries "
+              f"{phase.retries}  etcd {phase.etcd_rate:.0f} req/s {_int(phase.etcd)}  "
+              + " ".join(f"{k} {v:.2f} s" for k, v in phase.milestones.items()))
+    print(f"{label:<16} keep-alives {report.lease_refresh_per_s:.0f}/s; "
+          f"{report.load.summary()}", flush=True)
 
 
-def _print_table(results: dict[tuple[str, int], list[Trial]], nodes: list[int], loops: list[str],
-                 repeats: int) -> None:
-    print(f"\nmedian of {repeats} rounds per cell; ratio = elastic-rt / torch c10d")
-    header = f"{'nodes':>5} | {'torch s':>8} {'ops':>6} {'ops/node':>8}"
-    for loop in loops:
-        header += f" | {loop + ' s':>11} {'ops':>6} {'ops/node':>8} {'t ratio':>7} {'op ratio':>8}"
-    print(header)
-    print("-" * len(header))
-    for n in nodes:
-        ref = median_trial(results[("torch-c10d", n)])
-        line = f"{n:>5} | {ref.seconds:>8.2f} {ref.ops:>6} {ref.ops / n:>8.1f}"
-        for loop in loops:
-            ours = median_trial(results[(loop, n)])
-            line += (f" | {ours.seconds:>11.2f} {ours.ops:>6} {ours.ops / n:>8.1f}"
-                     f" {ours.seconds / ref.seconds:>7.2f} {ours.ops / max(ref.ops, 1):>8.2f}")
+def _int(counts: dict[str, float]) -> dict[str, int]:
+    return {k: int(v) for k, v in sorted(counts.items())}
+
+
+def _print_table(reports: dict[tuple[str, int], SwarmReport],
+                 torch_trials: dict[int, TorchTrial]) -> None:
+    header = (f"{'protocol':>8} {'nodes':>5} | {'form s':>6} {'ops/n':>5} {'retry':>5} | "
+              f"{'lose1 s':>7} {'ops/n':>5} | {'grow1 s':>7} {'ops/n':>5} | "
+              f"{'etcd/s':>6} {'k-a/s':>5} | "
+              f"{'torch s':>7} {'ops/n':>5} {'joined':>6}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for (name, n), report in reports.items():
+        form, *events = report.phases
+        line = (f"{name:>8} {n:>5} | {form.seconds:>6.2f} {form.per_node():>5.2f} "
+                f"{sum(form.retries.values()):>5}")
+        for phase in events:
+            line += f" | {phase.seconds:>7.2f} {phase.per_node():>5.2f}"
+        line += f" | {form.etcd_rate:>6.0f} {report.lease_refresh_per_s:>5.0f} | "
+        ref = torch_trials.get(n)
+        line += (f"{ref.seconds:>7.2f} {ref.ops / n:>5.1f} {ref.joined:>4}/{n}" if ref
+                 else f"{'-':>7} {'-':>5} {'-':>6}")
         print(line)
-    print("ops/node flat as nodes grow = linear; target: 128 nodes <= 3 s")
+    print("ops/n: etcd calls per node in the phase (keep-alives and watch events apart); "
+          "k-a/s: keep-alives per second in the formed round")
+    print("targets: form 128 <= 1.0 s, 256 <= 1.5 s, 1024 <= 3 s; <= 3 ops/node flat; "
+          "lose 1 at 1024 <= 2 s")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except HarnessBound as exc:
+        raise SystemExit(f"HARNESS-BOUND: {exc}") from exc

@@ -7,6 +7,7 @@ real etcd; an in-memory store for unit tests would subclass it as well.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ from elastic_rt.errors import StoreConnectionError
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
-from elastic_rt.rendezvous.kv import KVStore
+from elastic_rt.rendezvous.kv import Change, Get, KVStore, Put
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -139,6 +140,12 @@ class KVStoreContract:
         assert kv.get(prefix + "node") is not None
         kv.revoke_lease(lease)
 
+    def test_refresh_leases_renews_many_and_names_the_expired(self, kv: KVStore) -> None:
+        alive, gone = kv.grant_lease(5), kv.grant_lease(5)
+        kv.revoke_lease(gone)
+        assert kv.refresh_leases([alive, gone, alive]) == [True, False, True]
+        kv.revoke_lease(alive)
+
     def test_on_change_fires_for_writes_under_the_prefix_until_cancelled(
         self, kv: KVStore, prefix: str
     ) -> None:
@@ -161,6 +168,43 @@ class KVStoreContract:
         assert marker.wait(5)
         cancel_marker()
         assert not fired.is_set(), "a cancelled watch still fired"
+
+    def test_txn_runs_one_branch_and_reads_after_its_writes(
+        self, kv: KVStore, prefix: str
+    ) -> None:
+        kv.put(prefix + "n/a", b"a")
+        first = kv.txn({prefix + "claim": 0},
+                       [Put(prefix + "claim", b"me"), Put(prefix + "n/b", b"b"),
+                        Get(prefix + "n/", prefix=True)],
+                       [Get(prefix + "claim")])
+        assert first.succeeded
+        assert [i.key for i in first.reads[0]] == [prefix + "n/a", prefix + "n/b"]
+        assert first.reads[0][1].mod_revision == first.revision
+        second = kv.txn({prefix + "claim": 0}, [Put(prefix + "claim", b"other")],
+                        [Get(prefix + "claim"), Get(prefix + "missing")])
+        assert not second.succeeded
+        assert [i.value for i in second.reads[0]] == [b"me"] and second.reads[1] == []
+        assert second.revision == first.revision  # nothing written
+
+    def test_watch_changes_delivers_values_and_deletes_from_a_revision(
+        self, kv: KVStore, prefix: str
+    ) -> None:
+        start = kv.put(prefix + "w/a", b"1")  # before the watch, but at its start revision
+        events: queue.Queue[list[Change] | None] = queue.Queue()
+        cancel = kv.watch_changes(prefix + "w/", events.put, start_revision=start)
+        try:
+            kv.put(prefix + "w/b", b"2")
+            kv.put(prefix + "other", b"x")
+            kv.delete(prefix + "w/a")
+            seen: list[tuple[str, bytes, bool]] = []
+            deadline = time.monotonic() + 5
+            while len(seen) < 3 and time.monotonic() < deadline:
+                batch = events.get(timeout=max(0.01, deadline - time.monotonic()))
+                assert batch is not None
+                seen += [(c.kv.key[len(prefix):], c.kv.value, c.deleted) for c in batch]
+            assert seen == [("w/a", b"1", False), ("w/b", b"2", False), ("w/a", b"", True)]
+        finally:
+            cancel()
 
 
 class TestEtcdKV(KVStoreContract):

@@ -263,6 +263,14 @@ def test_a_finished_run_with_nobody_left_is_stale() -> None:
     assert not policy.is_stale_run(Snapshot(round=R1, nodes={}))
 
 
+def test_a_follower_without_registrations_never_reads_them_as_everyone_gone() -> None:
+    # A follower of the elected leader sees no registrations (nodes_known=False).
+    follower = Snapshot(round=R1, nodes={}, completing=True, closed="finished", nodes_known=False)
+    assert not policy.is_stale_run(follower)
+    obs = observe(follower, WorkerState.IDLE)
+    assert not policy.finished_without_us(AgentState(), follower, obs, "a")
+
+
 @pytest.mark.parametrize(("state", "dirty", "since", "read"), [
     (RUNNING_R1, False, 0.5, False),
     (RUNNING_R1, False, 1.0, True),

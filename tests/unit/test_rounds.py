@@ -204,6 +204,36 @@ def test_completing_job_keeps_members_and_turns_others_away(clock: FakeClock) ->
 
 
 # restarts and records -------------------------------------------------------------------
+# followers of the leader (nodes_known=False) ------------------------------------------
+def follower_view(round_: Round | None, **kw: object) -> Snapshot:
+    return Snapshot(round=round_, nodes={}, nodes_known=False, **kw)  # type: ignore[arg-type]
+
+
+def test_a_follower_never_proposes_the_first_round(clock: FakeClock) -> None:
+    action = decide_at(clock, follower_view(None), "a", quorum_since=clock() - 60)
+    assert isinstance(action, Wait) and "leader" in action.reason
+
+
+def test_a_follower_takes_part_in_a_round_that_lists_it_without_seeing_losses(
+    clock: FakeClock
+) -> None:
+    # b is gone, but only the leader sees registrations: it proposes the next round.
+    current = round_of("a", "b", "c")
+    assert decide_at(clock, follower_view(current), "c") == Participate(current)
+
+
+def test_a_follower_outside_the_round_waits_to_be_admitted(clock: FakeClock) -> None:
+    action = decide_at(clock, follower_view(round_of("a", "b")), "c")
+    assert isinstance(action, Wait) and not action.stop_workers
+
+
+def test_closed_and_completing_reach_followers_too(clock: FakeClock) -> None:
+    assert isinstance(decide_at(clock, follower_view(None, closed="done"), "a"), Closed)
+    current = round_of("a", "b")
+    assert decide_at(clock, follower_view(current, completing=True), "a") == Participate(current)
+    assert isinstance(decide_at(clock, follower_view(current, completing=True), "z"), Closed)
+
+
 def test_restart_round_keeps_members_and_bumps_the_number() -> None:
     current = round_of("b", "a", number=2, token=41)
     proposal = restart_round(current, "worker failed", now_ms=123)

@@ -1,0 +1,346 @@
+"""A thousand rendezvous participants in one process: asyncio nodes over a few etcd clients.
+
+:mod:`agents.simulated` gives every node a thread, a lease-keeper thread and its own
+gRPC channel; past ~200 nodes on two cores that harness, not etcd, is what is
+measured. Here each node is a coroutine that runs the agent's own decisions
+(:func:`agents.policy.decide` over the snapshots :class:`agents.run_reader.RunReader`
+reads), with its own lease, key and keep-alive, but its etcd calls go through a
+:class:`Swarm`: ``clients`` shared channels and ``workers`` threads that carry out
+the blocking calls. A node's watches are armed on one of the shared clients, as a
+real node arms them on its own.
+
+The swarm also measures itself (:class:`HarnessLoad`) so that a figure taken while
+the harness was the bottleneck is never mistaken for etcd's or the protocol's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Awaitable, Callable, TypeVar
+
+from agents import policy
+from agents.inbox import Inbox
+from agents.policy import AgentState, Observation
+from agents.run_reader import RunReader
+from elastic_rt.errors import StoreError
+from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.kv import KVStore
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round, Snapshot
+from elastic_rt.testing import CountingKV, OpCounter
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+AGENT_WATCHES = ("round", "closed", "completing", "alarm")
+"""The keys whose writes wake an agent (agents/agent.py), plus deletions under nodes/."""
+
+
+@dataclass
+class HarnessLoad:
+    """How busy the harness itself was: the evidence that etcd, not it, set the pace."""
+
+    loop_lag: list[float] = field(default_factory=list)
+    """Seconds each 20 ms monitor tick came late: a busy event loop."""
+    queue_wait: list[float] = field(default_factory=list)
+    """Seconds each etcd call waited for a free worker thread: a backlog."""
+    service: list[float] = field(default_factory=list)
+    """Seconds each etcd call took once on a thread: etcd's (and gRPC's) own pace."""
+    cpu_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    @property
+    def cpu_share(self) -> float:
+        """Cores the harness process used on average (1.0 = one core busy)."""
+        return self.cpu_seconds / self.wall_seconds if self.wall_seconds else 0.0
+
+    def verdict(self, *, max_lag: float = 0.05, max_queue: float = 0.05,
+                max_cpu: float = 0.9) -> str | None:
+        """Why the harness was the bottleneck, or None when it was not.
+
+        Lag is judged at p90: a burst as a thousand nodes start at once is expected;
+        a loop that is late on a tenth of its ticks is saturated.
+        """
+        lag, queue = _p(self.loop_lag, 0.9), _p(self.queue_wait, 0.9)
+        service = _p(self.service, 0.9)
+        problems = []
+        if lag > max_lag:
+            problems.append(f"event loop p90 lag {lag * 1000:.0f} ms > {max_lag * 1000:.0f} ms")
+        # Calls queue behind threads that wait on etcd too; only a queue longer than
+        # etcd's own answer time says the thread pool, not etcd, held them up.
+        if queue > max(max_queue, service):
+            problems.append(f"etcd calls p90 queued {queue * 1000:.0f} ms for a worker thread "
+                            f"(> {service * 1000:.0f} ms p90 in etcd)")
+        if self.cpu_share > max_cpu:
+            problems.append(f"harness used {self.cpu_share:.2f} cores (GIL-bound above "
+                            f"{max_cpu})")
+        return "; ".join(problems) or None
+
+    def summary(self) -> str:
+        return (f"loop lag p90/p99 {_p(self.loop_lag, 0.9) * 1000:.0f}/"
+                f"{_p(self.loop_lag, 0.99) * 1000:.0f} ms, call queue p90 "
+                f"{_p(self.queue_wait, 0.9) * 1000:.0f} ms, call p90 "
+                f"{_p(self.service, 0.9) * 1000:.0f} ms, harness cpu {self.cpu_share:.2f}")
+
+
+def _p(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Swarm:
+    """The shared clients, worker threads and counters of many :class:`SwarmNode`.
+
+    Use inside a running event loop; :meth:`close` releases the clients.
+    """
+
+    def __init__(self, endpoint: str, run_id: str, *, clients: int = 8, workers: int = 64
+                 ) -> None:
+        self.run_id = run_id
+        self.counter = OpCounter()
+        self.retries = OpCounter()
+        """Calls that etcd failed (``store_error``) and proposals that lost the compare."""
+        self._clients: list[KVStore] = [
+            CountingKV(EtcdKV(endpoint), self.counter) for _ in range(clients)]
+        self._next = itertools.count()
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="swarm-etcd")
+        self.load = HarnessLoad()
+        self._lock = threading.Lock()
+        self._leases: dict[int, Callable[[], Awaitable[None]]] = {}
+
+    def kv(self) -> KVStore:
+        """The next shared client (round robin), as a node's own."""
+        return self._clients[next(self._next) % len(self._clients)]
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run one blocking etcd call on a worker thread, recording how long it queued."""
+        submitted = time.monotonic()
+
+        def timed() -> T:
+            began = time.monotonic()
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self.load.queue_wait.append(began - submitted)
+                    self.load.service.append(time.monotonic() - began)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
+
+    async def monitor(self, stop: asyncio.Event, tick: float = 0.02) -> None:
+        """Sample the event loop's lag and the process's CPU until ``stop`` is set."""
+        began, cpu = time.monotonic(), _cpu()
+        while not stop.is_set():
+            expected = time.monotonic() + tick
+            await asyncio.sleep(tick)
+            self.load.loop_lag.append(max(0.0, time.monotonic() - expected))
+        self.load.wall_seconds = time.monotonic() - began
+        self.load.cpu_seconds = _cpu() - cpu
+
+    def keep(self, lease_id: int, on_lost: Callable[[], Awaitable[None]]) -> None:
+        """Renew ``lease_id`` from now on; ``on_lost`` runs when etcd says it expired."""
+        self._leases[lease_id] = on_lost
+
+    def forget(self, lease_id: int) -> None:
+        self._leases.pop(lease_id, None)
+
+    async def keep_alive(self, stop: asyncio.Event, interval: float, batch: int = 128) -> None:
+        """Renew every kept lease each ``interval`` (ttl/4, as ``LeaseKeeper``).
+
+        Every node's lease gets its own keep-alive, as from its own agent, but up to
+        ``batch`` of them share one stream: a call per lease would make the harness's
+        Python, not etcd, the limit at a thousand nodes (measured: 0.9 cores).
+        """
+        while not stop.is_set():
+            began = time.monotonic()
+            ids = list(self._leases)
+            chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
+            results = await asyncio.gather(
+                *(self.call(self.kv().refresh_leases, chunk) for chunk in chunks),
+                return_exceptions=True)
+            for chunk, alive in zip(chunks, results):
+                if isinstance(alive, BaseException):
+                    self.retries.add("store_error")
+                    continue
+                for lease_id, ok in zip(chunk, alive):
+                    on_lost = self._leases.pop(lease_id, None)
+                    if not ok and on_lost is not None:
+                        self.retries.add("lease_lost")
+                        try:
+                            await on_lost()
+                        except StoreError:  # it registers again at the next lost renewal
+                            self.retries.add("store_error")
+                    elif on_lost is not None:
+                        self._leases[lease_id] = on_lost
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, interval - (time.monotonic() - began)))
+            except asyncio.TimeoutError:
+                pass
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for client in self._clients:
+            client.close()
+
+
+def _cpu() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+class SwarmNode:
+    """One participant: own lease and key, the agent's decisions, shared clients.
+
+    Args:
+        swarm: where its etcd calls go.
+        node_id: unique within the run.
+        limits: ``--nnodes MIN:MAX`` and the last-call window.
+        ttl: lease time-to-live; the swarm renews it every quarter of it (see
+            :meth:`Swarm.keep_alive`), as ``LeaseKeeper`` does.
+        member_poll: the agent's re-read period while in a round (``reread_every``).
+    """
+
+    def __init__(self, swarm: Swarm, node_id: str, limits: Limits, *,
+                 ttl: timedelta = timedelta(seconds=10), member_poll: float = 1.0,
+                 wait_poll: float = 0.5) -> None:
+        self.swarm = swarm
+        self.node_id = node_id
+        self.info = NodeInfo(node_id=node_id, host="127.0.0.1", nproc=1)
+        self.ttl = ttl
+        self.settings = policy.Settings(
+            node_id=node_id, limits=limits, monitor_interval=timedelta(seconds=member_poll),
+            wait_poll=timedelta(seconds=wait_poll), reread_every=timedelta(seconds=member_poll),
+            retry_after=timedelta(seconds=wait_poll),
+        )  # fmt: skip
+        self.kv = swarm.kv()
+        self.registry = RunRegistry(self.kv, swarm.run_id)
+        self.inbox = Inbox()
+        self.reader = RunReader(self.registry, self.inbox)
+        self.state = AgentState()
+        self.lease = 0
+        self.rounds: list[Round] = []
+        """Every round this node took part in, in order."""
+        self.proposed: list[Round] = []
+        self.joined_at = 0.0
+        """Monotonic time the node's registration (and watch) was done."""
+        self.proposed_at: list[float] = []
+        """Monotonic time of each won proposal."""
+        self._wake = asyncio.Event()
+        self._round_seen = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._cancels: list[Callable[[], None]] = []
+
+    # lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._run(), name=self.node_id))
+
+    async def stop(self, *, revoke: bool = True) -> None:
+        """Leave: with ``revoke`` the key goes now (a graceful leave or an eviction)."""
+        self.swarm.forget(self.lease)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for cancel in self._cancels:
+            cancel()
+        if revoke and self.lease:
+            try:
+                await self.swarm.call(self.kv.revoke_lease, self.lease)
+            except StoreError:
+                logger.debug("%s: revoke failed", self.node_id, exc_info=True)
+
+    async def wait_for_round(self, predicate: Callable[[Round], bool]) -> Round:
+        while True:
+            for round_ in reversed(self.rounds):
+                if predicate(round_):
+                    return round_
+            self._round_seen.clear()
+            await self._round_seen.wait()
+
+    # the agent's loop ----------------------------------------------------------------
+    async def _run(self) -> None:
+        await self._join()
+        self.joined_at = time.monotonic()
+        while True:
+            await self._step()
+
+    async def _join(self) -> None:
+        """Register, then watch what wakes an agent (agents/agent.py)."""
+        await self._register()
+        loop = asyncio.get_running_loop()
+
+        def woken() -> None:  # from a client's watch thread
+            self.inbox.changed()
+            loop.call_soon_threadsafe(self._wake.set)
+
+        # Arming waits for etcd's answer: on a worker thread, not the event loop.
+        for name in AGENT_WATCHES:
+            self._cancels.append(await self.swarm.call(
+                self.kv.on_change, self.registry.key(name), woken))
+        self._cancels.append(await self.swarm.call(
+            lambda: self.kv.on_change(self.registry.key("nodes/"), woken, deletes_only=True)))
+
+    async def _register(self) -> None:
+        self.lease = await self.swarm.call(self.kv.grant_lease, max(1, int(self.ttl.seconds)))
+        await self.swarm.call(self.registry.register, self.info, self.lease)
+        self.swarm.keep(self.lease, self._lease_lost)
+
+    async def _observe(self) -> tuple[Snapshot | None, bool]:
+        """The run as the agent reads it: a snapshot when a decision needs one."""
+        return await self.swarm.call(self.reader.read, self.state, self.settings)
+
+    async def _step(self) -> None:
+        if self.inbox.take_fenced():
+            self.state = policy.fenced(self.state)
+        snapshot, store_error = await self._observe()
+        if store_error:
+            self.swarm.retries.add("store_error")
+        obs = Observation(now=time.monotonic(), now_ms=int(time.time() * 1000),
+                          snapshot=snapshot, store_error=store_error)
+        decision = policy.decide(self.state, obs, self.settings)
+        self.state = decision.state
+        for action in decision.actions:
+            await self._act(action)
+
+    async def _act(self, action: policy.Action) -> None:
+        if isinstance(action, policy.ProposeRound):
+            self.inbox.reread()
+            try:
+                written = await self.swarm.call(self.registry.propose, action.proposal)
+            except StoreError:
+                self.swarm.retries.add("store_error")
+                return
+            if written is None:
+                self.swarm.retries.add("lost_proposal")
+            else:
+                self.proposed.append(written)
+                self.proposed_at.append(time.monotonic())
+        elif isinstance(action, (policy.StartWorkers, policy.FollowRound)):
+            if not self.rounds or self.rounds[-1].number != action.round.number:
+                self.rounds.append(action.round)
+                self._round_seen.set()
+            self.state = policy.started(self.state, action.round)
+        elif isinstance(action, policy.StopWorkers):
+            self.state = policy.stopped(self.state)
+        elif isinstance(action, policy.Sleep):
+            try:
+                await asyncio.wait_for(self._wake.wait(), action.seconds)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+        elif isinstance(action, (policy.Exit, policy.CloseRun, policy.JoinTimedOut)):
+            raise RuntimeError(f"{self.node_id}: unexpected {action} in a rendezvous swarm")
+
+    async def _lease_lost(self) -> None:
+        """The lease expired: the node is fenced and registers afresh, as an agent does."""
+        self.inbox.fenced()
+        await self._register()
