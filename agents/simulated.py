@@ -69,11 +69,8 @@ class SimulatedNode:
         self.registry = RunRegistry(kv, run_id)
         self.info = NodeInfo(node_id=node_id, host="127.0.0.1", nproc=nproc)
         self.node_id = node_id
-        self.settings = policy.Settings(
-            node_id=node_id, limits=limits, monitor_interval=timedelta(seconds=member_poll),
-            wait_poll=timedelta(seconds=wait_poll), reread_every=timedelta(seconds=member_poll),
-            retry_after=timedelta(seconds=wait_poll),
-        )  # fmt: skip
+        self.settings = simulated_settings(node_id, limits, wait_poll=wait_poll,
+                                           member_poll=member_poll)
         self.inbox = Inbox()
         self.keeper = LeaseKeeper(self.registry, self.info, ttl, on_fenced=self._on_fenced)
         self.watch = watch
@@ -214,6 +211,17 @@ class SimulatedNode:
     def _on_fenced(self, why: str) -> None:
         self.fenced.append(why)
         self.inbox.fenced()
+
+
+def simulated_settings(node_id: str, limits: Limits, *, wait_poll: float,
+                       member_poll: float) -> policy.Settings:
+    """The policy's settings for a node without workers: it polls its membership every
+    ``member_poll`` seconds and waits ``wait_poll`` between rendezvous attempts."""
+    return policy.Settings(
+        node_id=node_id, limits=limits, monitor_interval=timedelta(seconds=member_poll),
+        wait_poll=timedelta(seconds=wait_poll), reread_every=timedelta(seconds=member_poll),
+        retry_after=timedelta(seconds=wait_poll),
+    )  # fmt: skip
 
 
 def start_nodes(

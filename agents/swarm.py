@@ -30,6 +30,7 @@ from agents import policy
 from agents.inbox import Inbox
 from agents.policy import AgentState, Observation
 from agents.run_reader import RunReader
+from agents.simulated import simulated_settings
 from elastic_rt.errors import StoreError
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KVStore
@@ -217,11 +218,8 @@ class SwarmNode:
         self.node_id = node_id
         self.info = NodeInfo(node_id=node_id, host="127.0.0.1", nproc=1)
         self.ttl = ttl
-        self.settings = policy.Settings(
-            node_id=node_id, limits=limits, monitor_interval=timedelta(seconds=member_poll),
-            wait_poll=timedelta(seconds=wait_poll), reread_every=timedelta(seconds=member_poll),
-            retry_after=timedelta(seconds=wait_poll),
-        )  # fmt: skip
+        self.settings = simulated_settings(node_id, limits, wait_poll=wait_poll,
+                                           member_poll=member_poll)
         self.kv = swarm.kv()
         self.registry = RunRegistry(self.kv, swarm.run_id)
         self.inbox = Inbox()

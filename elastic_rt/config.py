@@ -70,16 +70,8 @@ def env_seconds(env: Mapping[str, str], name: str) -> timedelta | None:
     Raises:
         ConfigError: the value is not a non-negative number.
     """
-    text = env.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"{name}={text!r} is not a number of seconds", f"Set {name} to e.g. 5.")
-    return timedelta(seconds=seconds)
+    seconds = _env_number(env, name, "a number of seconds", "e.g. 5")
+    return None if seconds is None else timedelta(seconds=seconds)
 
 
 def env_factor(env: Mapping[str, str], name: str, default: float) -> float:
@@ -88,16 +80,21 @@ def env_factor(env: Mapping[str, str], name: str, default: float) -> float:
     Raises:
         ConfigError: the value is not a non-negative number.
     """
+    value = _env_number(env, name, "a non-negative number",
+                        "a number such as 10, or 0 to turn it off")
+    return default if value is None else value
+
+
+def _env_number(env: Mapping[str, str], name: str, what: str, example: str) -> float | None:
     text = env.get(name, "").strip()
     if not text:
-        return default
+        return None
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise ConfigError(f"{name}={text!r} is not a non-negative number",
-                          f"Set {name} to a number such as 10, or 0 to turn it off.")
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name}={text!r} is not {what}", f"Set {name} to {example}.")
     return value
 
 
