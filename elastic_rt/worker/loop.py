@@ -90,7 +90,7 @@ from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.root_cause import write_error_file
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.worker.allocator import pin_mmap_threshold
+from elastic_rt.worker.allocator import HeapTrimmer, pin_mmap_threshold
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
@@ -233,6 +233,7 @@ class _ElasticLoop:
         self.store: dist.Store | None = None
         self.progress = Progress()
         self.clock = StepClock()
+        self.heap = HeapTrimmer()
         self.watchdog = HangWatchdog(self.clock, self.env.hang_factor, self._report_stall)
         self.publisher = ProgressPublisher(self.follower.registry) if self.follower else None
         if checkpoint is not None and self.follower is not None:
@@ -435,6 +436,7 @@ class _ElasticLoop:
             self.events.emit("step.resumed", round=self.ctx.round, step=step,
                              downtime_ms=int(downtime * 1000), world_size=self.ctx.world_size)
             self.progress.failed_at = None
+        self.heap.after_step()
         self._publish_progress()
         extra = {} if global_loss is None else {"global_loss": global_loss}
         self.events.emit("step.completed", round=self.ctx.round, step=step,
