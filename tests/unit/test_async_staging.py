@@ -1,0 +1,34 @@
+"""Async checkpoint staging: CPU copies the next step cannot change, pinned only for GPU tensors.
+
+The CUDA path (pinned buffers, non-blocking copies, an event before the write) runs in
+``scripts/device_check.py`` on a machine with a GPU; here the CPU path and the choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_rt.checkpoint.async_save import Stager, should_pin
+
+
+def test_staged_copies_keep_the_values_of_the_save_step() -> None:
+    weights = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    staged = Stager().stage({"w": weights})
+    staged.wait_copied()
+    weights.add_(100)  # the next training step
+    assert staged.tensors["w"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert staged.events == ()  # nothing in flight from the CPU
+
+
+def test_buffers_are_reused_from_save_to_save_and_not_pinned_for_cpu_tensors() -> None:
+    stager = Stager()
+    first = stager.stage({"w": torch.zeros(4), "b": torch.zeros(2)}).tensors
+    second = stager.stage({"w": torch.ones(4)}).tensors
+    assert second["w"].data_ptr() == first["w"].data_ptr()
+    assert not second["w"].is_pinned()
+    assert stager.nbytes == 4 * 4  # the dropped key's buffer is gone
+
+
+def test_only_gpu_tensors_get_page_locked_staging() -> None:
+    assert not should_pin(torch.zeros(1))
+    assert not should_pin(torch.zeros(1, device="meta"))
