@@ -220,7 +220,8 @@ def _has_nccl(group: dist.ProcessGroup) -> bool:
         backend = group._get_backend(torch.device("cuda"))
     except RuntimeError:  # no backend for CUDA tensors in this group
         return False
-    return isinstance(backend, dist.ProcessGroupNCCL)
+    nccl_class = getattr(dist.distributed_c10d, "ProcessGroupNCCL", None)
+    return nccl_class is not None and isinstance(backend, nccl_class)
 
 
 def side_group(training: dist.ProcessGroup | None, timeout: timedelta) -> dist.ProcessGroup | None:
