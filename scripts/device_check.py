@@ -139,12 +139,12 @@ def check_nccl_abort(device: torch.device, out: Path) -> str:
 
 # 3. node-kill -------------------------------------------------------------------------
 def check_node_kill(device: torch.device, out: Path) -> str:
-    ledger = ProcessLedger(sample_every=0.5)
-    try:
-        with EtcdServer() as etcd:
+    with EtcdServer() as etcd:  # stopped after every node is gone
+        ledger = ProcessLedger(sample_every=0.5)
+        try:
             return _node_kill(ledger, etcd.endpoint, device, out)
-    finally:
-        ledger.close()
+        finally:
+            ledger.close()
 
 
 def _node_kill(ledger: ProcessLedger, endpoint: str, device: torch.device, out: Path) -> str:
