@@ -84,8 +84,11 @@ class Stager:
         buffer.copy_(local.detach(), non_blocking=local.is_cuda)
         if not isinstance(tensor, DTensor):
             return buffer
-        return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements,
-                                  run_check=False, shape=tensor.shape, stride=tensor.stride())
+        # Same spec (mesh, placements, global shape), the staging buffer as its local
+        # tensor. Not DTensor.from_local: it moves the local tensor to the mesh's device,
+        # which for a CUDA mesh puts the staged copy back on the GPU. torch's own async
+        # staging (_state_dict_utils._create_cpu_state_dict) swaps the local tensor too.
+        return DTensor(buffer, tensor._spec, requires_grad=False)
 
 
 def should_pin(tensor: torch.Tensor) -> bool:
