@@ -47,7 +47,8 @@ def test_a_dtensor_is_staged_as_a_dtensor_over_the_staging_buffer() -> None:
         stager = Stager()
         first = stager.stage({"w": weights}).tensors["w"]
         second = stager.stage({"w": weights}).tensors["w"]
-        assert isinstance(second, DTensor) and second.placements == weights.placements
+        assert isinstance(first, DTensor) and isinstance(second, DTensor)
+        assert second.placements == weights.placements
         assert second.device_mesh == mesh and second.shape == weights.shape
         assert second.to_local().data_ptr() == first.to_local().data_ptr()  # reused buffer
         assert second.to_local().data_ptr() != weights.to_local().data_ptr()
