@@ -182,10 +182,11 @@ class Checkpointer:
         blocking_s = time.monotonic() - started
         round_number = self._round_of()  # the round whose state this is, not the write's
 
+        tensors = staged.tensors if staged is not None else flat.tensors
+
         def job() -> CheckpointInfo:
             if staged is not None:
                 staged.wait_copied()  # copies from a GPU land before the write reads them
-            tensors = staged.tensors if staged is not None else flat.tensors
             return self._write(step, tensors, objects, layout, extra, group, blocking_s,
                                round_number)
 
