@@ -217,8 +217,7 @@ class _ElasticLoop:
         self.max_failed_steps, self.reform_timeout = max_failed_steps, reform_timeout
         self.seed = seed
         self.env = WorkerEnv.from_env()
-        # cuda:LOCAL_RANK (or the CPU) becomes current before the user's build runs.
-        self.device = use_worker_device(self.env.local_rank)
+        use_worker_device(self.env.local_rank)  # cuda:LOCAL_RANK is current before build runs
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
         self.follower = RoundFollower(self.env) if self.env.is_elastic else None
