@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from elastic_rt.accelerator import use_worker_device
 from elastic_rt.checkpoint import Checkpointer
 from elastic_rt.config import DEFAULT_REFORM_TIMEOUT, ERROR_FILE_ENV, WorkerEnv
 from elastic_rt.errors import (
@@ -216,6 +217,7 @@ class _ElasticLoop:
         self.max_failed_steps, self.reform_timeout = max_failed_steps, reform_timeout
         self.seed = seed
         self.env = WorkerEnv.from_env()
+        use_worker_device(self.env.local_rank)  # cuda:LOCAL_RANK is current before build runs
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
         self.follower = RoundFollower(self.env) if self.env.is_elastic else None
