@@ -87,17 +87,20 @@ def uses_nccl(backend: str) -> bool:
 
 
 def use_worker_device(local_rank: int) -> torch.device:
-    """Choose this worker's device and make it current (``torch.cuda.set_device``).
+    """Make ``cuda:LOCAL_RANK`` this worker's current device, when it has one.
 
-    Called before the user's ``build``, so a model built on
-    :func:`worker_device` (or ``"cuda"``) lands on this worker's own GPU.
-
-    Raises:
-        ConfigError: see :func:`choose_device`.
+    Called before the user's ``build``, so a model built on :func:`worker_device` (or
+    ``"cuda"``) lands on this worker's own GPU. A worker without a GPU of its own (more
+    workers on the node than visible GPUs) stays on the CPU with a warning rather than
+    failing: its model may well be a CPU one; :func:`worker_device` is what refuses.
     """
     available = torch.cuda.is_available()
-    device = choose_device(local_rank=local_rank, cuda_available=available,
-                           device_count=torch.cuda.device_count() if available else 0)
+    try:
+        device = choose_device(local_rank=local_rank, cuda_available=available,
+                               device_count=torch.cuda.device_count() if available else 0)
+    except ConfigError as exc:
+        logger.warning("%s; this worker's current device stays the CPU", exc.problem)
+        return torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         logger.info("worker uses %s (%s)", device, torch.cuda.get_device_name(device))

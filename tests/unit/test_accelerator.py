@@ -79,3 +79,16 @@ def test_this_cpu_machine_trains_on_the_cpu_over_gloo(monkeypatch: pytest.Monkey
 
 def test_aborting_with_no_groups_is_a_no_op() -> None:
     assert abort_groups() == 0  # e.g. a notice before the first round formed
+
+
+def test_a_worker_without_a_gpu_of_its_own_stays_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One GPU, local rank 1: the worker starts (its model may be a CPU one); asking for
+    its GPU is what fails, with the fix."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert use_worker_device(1) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="no GPU of its own"):
+        worker_device()
