@@ -303,12 +303,26 @@ class EtcdKV:
             success=self._client._ops_to_requests([self._op(op) for op in success]),
             failure=self._client._ops_to_requests([self._op(op) for op in failure]),
         )
-        response = self._client.kvstub.Txn(request, self._timeout,
-                                           credentials=self._client.call_credentials,
-                                           metadata=self._client.metadata)
+        response = self._failing_over(lambda: self._client.kvstub.Txn(
+            request, self._timeout, credentials=self._client.call_credentials,
+            metadata=self._client.metadata))
         reads = [[_pb_kv(kv) for kv in r.response_range.kvs] for r in response.responses
                  if r.WhichOneof("response") == "response_range"]
         return TxnResult(bool(response.succeeded), int(response.header.revision), reads)
+
+    def _failing_over(self, call: Callable[[], T]) -> T:
+        """A call on a stub of ours, handled like the client's own (get, put, ...).
+
+        The client benches a member that did not answer, so that the next call goes
+        to another (``failover``), only inside its own methods; a stub called directly
+        would keep every later call on the dead member. Its handler raises etcd3's
+        error for the code, or the gRPC error itself (an auth error, renewed above).
+        """
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            self._client._manage_grpc_errors(exc)
+            raise
 
     def _op(self, op: TxnOp) -> Any:
         tx = self._client.transactions
@@ -337,10 +351,14 @@ class EtcdKV:
     @_translated
     def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
         requests = [etcdrpc.LeaseKeepAliveRequest(ID=lease_id) for lease_id in lease_ids]
-        responses = self._client.leasestub.LeaseKeepAlive(
-            iter(requests), self._timeout, credentials=self._client.call_credentials,
-            metadata=self._client.metadata)
-        ttls = {int(r.ID): int(r.TTL) for r in responses}
+
+        def renew() -> dict[int, int]:
+            responses = self._client.leasestub.LeaseKeepAlive(
+                iter(requests), self._timeout, credentials=self._client.call_credentials,
+                metadata=self._client.metadata)
+            return {int(r.ID): int(r.TTL) for r in responses}
+
+        ttls = self._failing_over(renew)
         return [ttls.get(lease_id, 0) > 0 for lease_id in lease_ids]
 
     @_translated
