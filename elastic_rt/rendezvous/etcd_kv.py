@@ -300,8 +300,8 @@ class EtcdKV:
         # reads were taken at, which a watch must start after; so call the stub.
         request = etcdrpc.TxnRequest(
             compare=[c.build_message() for c in compares],
-            success=self._client._ops_to_requests([self._op(op) for op in success]),
-            failure=self._client._ops_to_requests([self._op(op) for op in failure]),
+            success=[self._op(op) for op in success],
+            failure=[self._op(op) for op in failure],
         )
         response = self._failing_over(lambda: self._client.kvstub.Txn(
             request, self._timeout, credentials=self._client.call_credentials,
@@ -325,11 +325,13 @@ class EtcdKV:
             raise
 
     def _op(self, op: TxnOp) -> Any:
-        tx = self._client.transactions
+        """etcd's request for one operation (the client's own ``Get`` has no limit)."""
         if isinstance(op, Get):
             end = etcd3.utils.prefix_range_end(op.key.encode()) if op.prefix else None
-            return tx.get(op.key, range_end=end)
-        return tx.put(op.key, op.value, op.lease)
+            return etcdrpc.RequestOp(request_range=self._client._build_get_range_request(
+                op.key, end, limit=op.limit or None))
+        return etcdrpc.RequestOp(request_put=self._client._build_put_request(
+            op.key, op.value, op.lease))
 
     @_translated
     def delete(self, key: str) -> bool:

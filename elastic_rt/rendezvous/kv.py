@@ -38,6 +38,8 @@ class Get:
 
     key: str
     prefix: bool = False
+    limit: int = 0
+    """At most this many keys (0: all): enough to learn whether any exist."""
 
 
 TxnOp = Put | Get
