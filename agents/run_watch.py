@@ -67,6 +67,19 @@ class RunWatch:
         with self._lock:
             return self._view is not None and self._view.leader
 
+    @property
+    def is_current(self) -> bool:
+        """The next :meth:`read` needs no etcd call and no wait (the common case).
+
+        How a caller that multiplexes many nodes on one event loop (agents/swarm.py)
+        knows it may read on the loop rather than queue the read for a thread.
+        """
+        with self._lock:
+            view = self._view
+            return (view is not None and not self._resync and not self._behind
+                    and not (view.leader_gone and not view.leader)
+                    and not (view.snapshot().completing and not view.leader))
+
     # joining ---------------------------------------------------------------------------
     def join(self, info: NodeInfo, lease: int) -> None:
         """Register ``info`` on ``lease`` and follow the run from there (each new lease).

@@ -285,8 +285,11 @@ class SwarmNode:
     async def _step(self) -> None:
         if self.inbox.take_fenced():
             self.state = policy.fenced(self.state)
-        snapshot, store_error = await self.swarm.call(self.watch.read, self.state,
-                                                      self.settings)
+        if self.watch.is_current:  # in memory: queueing it for a thread only adds lag
+            snapshot, store_error = self.watch.read(self.state, self.settings)
+        else:
+            snapshot, store_error = await self.swarm.call(self.watch.read, self.state,
+                                                          self.settings)
         if store_error:
             self.swarm.retries.add("store_error")
         obs = Observation(now=time.monotonic(), now_ms=int(time.time() * 1000),
