@@ -154,7 +154,7 @@ class Agent:
         elif isinstance(action, policy.PublishInProcess):
             self.registry.mark_in_process()
         elif isinstance(action, policy.JoinTimedOut):
-            raise self.config.join_timed_out(action.registered)
+            raise self.config.join_timed_out(self.watch.registered())
         elif isinstance(action, policy.Sleep):
             if action.waiting_for:
                 self._report_waiting(action.waiting_for)

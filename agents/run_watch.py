@@ -178,6 +178,21 @@ class RunWatch:
             return self.registry.snapshot()
         return snapshot
 
+    def registered(self) -> int | None:
+        """How many nodes are registered; None if etcd does not answer.
+
+        A follower does not hold the registrations, so it reads them: only for the
+        message of a join that timed out.
+        """
+        with self._lock:
+            view = self._view
+            if view is not None and view.leader:
+                return len(view.snapshot().nodes)
+        try:
+            return len(self.registry.nodes())
+        except StoreError:
+            return None
+
     # writing -----------------------------------------------------------------------------
     def propose(self, proposal: Propose) -> Round | None:
         """Write the proposed round (None: another won), and hold the outcome at once.

@@ -283,6 +283,20 @@ def test_sigkill_of_the_leader_while_the_first_round_forms_leaves_the_others_to_
     job.assert_nothing_left()
 
 
+def test_a_join_timeout_names_how_many_nodes_came_on_the_leader_and_a_follower(
+    job_factory
+) -> None:
+    # Only the leader holds the registrations; a follower counts them for its message.
+    job = job_factory(nnodes="3", steps=6)
+    job.start("a", "--join-timeout", "8")
+    job.start("b", "--join-timeout", "8")
+    codes = job.wait_all(60)
+    assert all(code not in (0, None) for code in codes.values()), codes
+    for name in "ab":
+        assert "only 2 of 3 nodes joined run" in job.log(name), job.log(name)
+        assert "Traceback" not in job.log(name)
+
+
 def test_two_run_ids_on_one_etcd_do_not_interfere(job_factory, run_id: str) -> None:
     # The same node names in both runs: shared keys would collide at once.
     jobs = [job_factory(nnodes="2", steps=6, run=f"{run_id}-{i}", step_time=0.05) for i in (1, 2)]
