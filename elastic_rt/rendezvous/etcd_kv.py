@@ -375,10 +375,8 @@ class EtcdKV:
     def revision(self) -> int:
         return int(self._client.status().raft_index)
 
-    def on_change(
-        self, prefix: str, callback: Callable[[], None], *, deletes_only: bool = False
-    ) -> Callable[[], None]:
-        watch = _Watch(self, prefix, callback, deletes_only=deletes_only)
+    def on_change(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        watch = _Watch(self, prefix, callback)
         watch.arm()
         return watch.cancel
 
@@ -405,11 +403,8 @@ class EtcdKV:
         return cancel
 
     @_translated
-    def _add_watch(
-        self, prefix: str, callback: Callable[[Any], None], deletes_only: bool = False
-    ) -> int:
-        filters = [etcdrpc.WatchCreateRequest.NOPUT] if deletes_only else None
-        return int(self._client.add_watch_prefix_callback(prefix, callback, filters=filters))
+    def _add_watch(self, prefix: str, callback: Callable[[Any], None]) -> int:
+        return int(self._client.add_watch_prefix_callback(prefix, callback))
 
     def _cancel_watch(self, watch_id: int) -> None:
         self._client.cancel_watch(watch_id)
@@ -478,11 +473,8 @@ class _Watch:
     poll as well, so a missed event only costs them one poll interval.
     """
 
-    def __init__(
-        self, kv: EtcdKV, prefix: str, callback: Callable[[], None], *, deletes_only: bool = False
-    ) -> None:
+    def __init__(self, kv: EtcdKV, prefix: str, callback: Callable[[], None]) -> None:
         self._kv = kv
-        self._deletes_only = deletes_only
         self._prefix = prefix
         self._callback = callback
         self._watch_id: int | None = None
@@ -490,7 +482,7 @@ class _Watch:
 
     def arm(self) -> None:
         try:
-            self._watch_id = self._kv._add_watch(self._prefix, self._relay, self._deletes_only)
+            self._watch_id = self._kv._add_watch(self._prefix, self._relay)
         except Exception:  # noqa: BLE001 - thread boundary: log and retry later
             logger.debug("watch on %s not armed; retrying", self._prefix, exc_info=True)
             self._rearm_later()
