@@ -120,7 +120,8 @@ class RunWatch:
             logger.warning("watch on run %s not armed (%s); reading it again",
                            self.registry.run_id, exc)
             with self._lock:
-                self._resync = generation == self._generation
+                if generation == self._generation:
+                    self._resync = True
             self._tell()
             return
         with self._lock:

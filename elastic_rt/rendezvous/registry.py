@@ -2,24 +2,24 @@
 
 Key layout under ``/elastic_rt/<run_id>/``:
 
-==================  ===========================================================
-``nodes/<node>``    :class:`NodeInfo` on the node's lease (gone when it dies)
-``round``           the current :class:`Round`; its mod_revision is the token
-``round-leader``    the node that proposes rounds, on its lease (see election.py)
-``round-alarm``     a worker saw a collective fail; agents probe their peers
-``round-completing`` some node's workers all succeeded; no more rounds
-``round-in-process`` the workers recover in place: a joining node starts its workers
-                    before it registers, so admitting it stalls nobody
-``round-closed``    why the job ended (finished or failed); agents exit
-``store/<k>``       ``host:port`` of round k's c10d store, written by its host
-``restarts``        worker failures so far (the job-wide restart budget)
-``failure/<k>``     the first worker failure reported in round k
-``checkpoint``      name of the last committed checkpoint, written fenced
-``max_restarts``    the job's restart budget, written by every agent at start
-``layout``          JSON ``{"round", "layout"}`` of the current round, rank 0, fenced
-``progress``        JSON ``{"round", "step", "steps_per_s", "ms"}``, rank 0, fenced
-``root_cause``      the last failure's :class:`~elastic_rt.root_cause.RootCause`
-==================  ===========================================================
+====================  ===========================================================
+``nodes/<node>``      :class:`NodeInfo` on the node's lease (gone when it dies)
+``round``             the current :class:`Round`; its mod_revision is the token
+``round-leader``      the node that proposes rounds, on its lease (see election.py)
+``round-alarm``       a worker saw a collective fail; agents probe their peers
+``round-completing``  some node's workers all succeeded; no more rounds
+``round-in-process``  the workers recover in place: a joining node starts its workers
+                      before it registers, so admitting it stalls nobody
+``round-closed``      why the job ended (finished or failed); agents exit
+``store/<k>``         ``host:port`` of round k's c10d store, written by its host
+``restarts``          worker failures so far (the job-wide restart budget)
+``failure/<k>``       the first worker failure reported in round k
+``checkpoint``        name of the last committed checkpoint, written fenced
+``max_restarts``      the job's restart budget, written by every agent at start
+``layout``            JSON ``{"round", "layout"}`` of the current round, rank 0, fenced
+``progress``          JSON ``{"round", "step", "steps_per_s", "ms"}``, rank 0, fenced
+``root_cause``        the last failure's :class:`~elastic_rt.root_cause.RootCause`
+====================  ===========================================================
 
 Every key a node's decisions read, except the registrations, starts with ``round``:
 one watch on that prefix keeps a follower current (election.py), and it never

@@ -17,7 +17,7 @@ from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import WaitTimeout, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
-from elastic_rt.rendezvous.rounds import Limits, Round, Wait
+from elastic_rt.rendezvous.rounds import Closed, Limits, Round, Wait
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -166,6 +166,18 @@ def test_below_min_the_round_pauses_everywhere_and_resumes_with_survivors_first(
     kept = tuple(m for m in first.members if m != leader.node_id)
     assert resumed.members == (*kept, "d")  # survivors keep their relative ranks
     assert resumed.reason == "resumed with 3 nodes"
+
+
+def test_a_closed_run_reaches_the_followers_through_their_one_watch(
+    start: Starter, etcd_kv: EtcdKV, run_id: str
+) -> None:
+    nodes = start(run_id, ["a", "b", "c"], Limits(min_nodes=3, max_nodes=3),
+                  member_poll=30.0)  # no periodic re-read: only the watch can wake them
+    agreed_round(nodes, lambda r: r.number == 0)
+    assert sum(node.watch.is_leader for node in nodes) == 1
+    RunRegistry(etcd_kv, run_id).close("failed: a user error")
+    wait_until(lambda: all(isinstance(n.last_action, Closed) for n in nodes), 10,
+               "every node to see the run closed")
 
 
 def _registered(etcd: EtcdServer, run_id: str) -> dict[str, object]:
