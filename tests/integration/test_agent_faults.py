@@ -284,17 +284,20 @@ def test_sigkill_of_the_leader_while_the_first_round_forms_leaves_the_others_to_
 
 
 def test_a_join_timeout_names_how_many_nodes_came_on_the_leader_and_a_follower(
-    job_factory
+    job_factory, kv: EtcdKV
 ) -> None:
     # Only the leader holds the registrations; a follower counts them for its message.
     job = job_factory(nnodes="3", steps=6)
-    job.start("a", "--join-timeout", "8")
-    job.start("b", "--join-timeout", "8")
+    leader_key = f"/elastic_rt/{job.run_id}/{LEADER}"
+    job.start("a", "--join-timeout", "20")
+    wait_until(lambda: kv.get(leader_key) is not None, 60, "a to lead")
+    job.start("b", "--join-timeout", "3")  # gives up while the leader is still there
     codes = job.wait_all(60)
     assert all(code not in (0, None) for code in codes.values()), codes
-    for name in "ab":
-        assert "only 2 of 3 nodes joined run" in job.log(name), job.log(name)
-        assert "Traceback" not in job.log(name)
+    assert "only 2 of 3 nodes joined run" in job.log("b"), job.log("b")
+    assert "only 1 of 3 nodes joined run" in job.log("a"), job.log("a")  # b had left
+    assert not [line for name in "ab" for line in job.log(name).splitlines()
+                if line.startswith("Traceback")]
 
 
 def test_two_run_ids_on_one_etcd_do_not_interfere(job_factory, run_id: str) -> None:
