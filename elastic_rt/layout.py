@@ -1,7 +1,13 @@
 """Parallel layout: how a world of ranks splits into data, pipeline and tensor parallelism.
 
 A :class:`Layout` is a value (``dp x pp x tp``) that maps every rank to mesh coordinates and
-back. Axis order is ``("pp", "dp", "tp")`` with ``tp`` innermost, so the ranks of one tensor
+back. Its ``shard`` degree says how the ``dp`` ranks hold the model's state: 1 keeps a whole
+replica on each (DDP); ``shard == dp`` shards parameters, gradients and optimizer state over
+all of them (FSDP, ``fsdp4``); in between, consecutive groups of ``shard`` data-parallel ranks
+each hold one sharded copy, replicated across the groups (HSDP, ``hsdp2x2``: 2 replicas of 2
+shards). Sharding is not combined with ``pp`` or ``tp``.
+
+Axis order is ``("pp", "dp", "tp")`` with ``tp`` innermost, so the ranks of one tensor
 group are neighbours (usually on one node, where the fastest links are) and the ranks of one
 data-parallel group hold replicas of the same shard::
 
@@ -25,6 +31,7 @@ from elastic_rt.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 AXES = ("pp", "dp", "tp")
+_KEYS = (*AXES, "shard")
 
 
 class Coords(NamedTuple):
@@ -46,19 +53,49 @@ def _check_positive(name: str, value: int) -> None:
 class Layout:
     """``dp`` data-parallel replicas of a model cut into ``pp`` stages of ``tp`` shards each.
 
-    Invariant: every degree is >= 1; ``world_size == dp * pp * tp``.
+    Invariant: every degree is >= 1; ``world_size == dp * pp * tp``; ``shard`` divides ``dp``
+    and is 1 unless ``pp == tp == 1``.
 
     Raises:
-        ConfigError: a degree is not a positive integer.
+        ConfigError: a degree is not a positive integer, or ``shard`` does not fit.
     """
 
     dp: int
     pp: int = 1
     tp: int = 1
+    shard: int = 1
+    """How many data-parallel ranks one copy of the state is sharded over (1: replicated)."""
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "pp", "tp"):
+        for axis in _KEYS:
             _check_positive(f"layout {axis}", getattr(self, axis))
+        if self.dp % self.shard:
+            raise ConfigError(f"layout shard={self.shard} does not divide dp={self.dp}",
+                              "Pick a shard degree that divides the data-parallel degree.")
+        if self.shard > 1 and (self.pp > 1 or self.tp > 1):
+            raise ConfigError(
+                f"layout shard={self.shard} with pp={self.pp}, tp={self.tp}",
+                "Sharded data parallelism is not combined with pp or tp; set max_shard=1 "
+                "in ModelLimits or do without pipeline and tensor parallelism.",
+            )
+
+    @property
+    def replicas(self) -> int:
+        """How many whole copies of the state the data-parallel ranks hold."""
+        return self.dp // self.shard
+
+    def shard_index(self, rank: int) -> int:
+        """Which of the ``shard`` pieces of the state ``rank`` holds (0 when replicated)."""
+        return self.coords(rank).dp % self.shard
+
+    def shard_groups(self) -> list[list[int]]:
+        """The ranks of each copy of the state (one sharded replica), in shard order."""
+        return [[self.rank_of(0, r * self.shard + i, 0) for i in range(self.shard)]
+                for r in range(self.replicas)] if self.shard > 1 else []
+
+    def replicate_groups(self) -> list[list[int]]:
+        """The ranks holding the same piece of the state, one per replica, per piece."""
+        return [[group[i] for group in self.shard_groups()] for i in range(self.shard)]
 
     @property
     def world_size(self) -> int:
@@ -113,24 +150,30 @@ class Layout:
         return [list(group) for group in sorted(groups)]
 
     def to_dict(self) -> dict[str, int]:
-        """A JSON-able form, read back by :meth:`from_dict`."""
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        """A JSON-able form, read back by :meth:`from_dict` (``shard`` only when sharded)."""
+        data = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        return {**data, "shard": self.shard} if self.shard > 1 else data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Layout:
-        """The layout :meth:`to_dict` wrote (``pp`` and ``tp`` default to 1).
+        """The layout :meth:`to_dict` wrote (``pp``, ``tp`` and ``shard`` default to 1).
 
         Raises:
             ValueError: unknown keys or a missing ``dp``.
             ConfigError: a degree is not a positive integer.
         """
-        unknown = set(data) - set(AXES)
+        unknown = set(data) - set(_KEYS)
         if unknown or "dp" not in data:
-            raise ValueError(f"not a layout: {dict(data)!r} (expected keys dp, pp, tp)")
-        return cls(dp=data["dp"], pp=data.get("pp", 1), tp=data.get("tp", 1))
+            raise ValueError(f"not a layout: {dict(data)!r} (expected keys dp, pp, tp, shard)")
+        return cls(dp=data["dp"], pp=data.get("pp", 1), tp=data.get("tp", 1),
+                   shard=data.get("shard", 1))
 
     def __str__(self) -> str:
-        return f"dp{self.dp}xpp{self.pp}xtp{self.tp}"
+        if self.shard == 1:
+            return f"dp{self.dp}xpp{self.pp}xtp{self.tp}"
+        if self.replicas == 1:
+            return f"fsdp{self.shard}"
+        return f"hsdp{self.replicas}x{self.shard}"
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -151,7 +194,11 @@ class ModelLimits:
         tp_options: the tensor-parallel degrees the model supports.
         min_dp: the fewest data-parallel replicas wanted (e.g. so a lost node leaves a replica).
         max_params_per_rank: the most parameters one rank can hold; needs ``n_params``.
-        n_params: the model's parameter count, split evenly over ``pp * tp`` shards.
+        n_params: the model's parameter count, split evenly over ``pp * tp * shard`` shards.
+        max_shard: the most data-parallel ranks one copy of the state may be sharded over
+            (FSDP2 ``fully_shard``): 1 replicates it (the default); the ranks per node gives
+            HSDP (shard within a node, replicate across nodes); at least the largest world,
+            FSDP over every rank. Only without pipeline or tensor parallelism.
 
     Raises:
         ConfigError: a limit is not a positive integer, or only one of the memory limits is set.
@@ -162,9 +209,11 @@ class ModelLimits:
     min_dp: int = 1
     max_params_per_rank: int | None = None
     n_params: int | None = None
+    max_shard: int = 1
 
     def __post_init__(self) -> None:
         _check_positive("max_pp", self.max_pp)
+        _check_positive("max_shard", self.max_shard)
         _check_positive("min_dp", self.min_dp)
         if not self.tp_options:
             raise ConfigError(
@@ -183,50 +232,63 @@ class ModelLimits:
             _check_positive("max_params_per_rank", self.max_params_per_rank)
             _check_positive("n_params", self.n_params)
 
-    def fits_memory(self, pp: int, tp: int) -> bool:
-        """Whether one shard of a ``pp x tp`` split fits on a rank."""
+    def fits_memory(self, pp: int, tp: int, shard: int = 1) -> bool:
+        """Whether one shard of a ``pp x tp`` split, sharded ``shard`` ways, fits on a rank."""
         if self.max_params_per_rank is None or self.n_params is None:
             return True
-        return -(-self.n_params // (pp * tp)) <= self.max_params_per_rank
+        return -(-self.n_params // (pp * tp * shard)) <= self.max_params_per_rank
 
 
 def plan_layout(world_size: int, limits: ModelLimits = ModelLimits()) -> Layout:
     """The layout that fills ``world_size`` exactly with the most data parallelism that fits.
 
     Candidates are every ``pp <= max_pp`` and ``tp in tp_options`` whose product divides the
-    world, with ``dp >= min_dp`` and a shard that fits memory. Among them the largest ``dp``
-    wins (fastest steps and most replicas to restore from), then the smallest ``pp`` (fewer
-    pipeline bubbles), then the smallest ``tp``. Deterministic, so all ranks agree.
+    world, with ``dp >= min_dp`` and a shard that fits memory; with ``pp == tp == 1``, also
+    every ``shard <= max_shard`` dividing ``dp``. Among them the largest ``dp`` wins (fastest
+    steps), then the smallest ``pp`` (fewer pipeline bubbles), then the smallest ``tp``, then
+    the largest ``shard`` (least memory per rank). Deterministic, so all ranks agree.
 
     Raises:
         ConfigError: ``world_size`` is not positive, or no layout fits it.
     """
     _check_positive("world_size", world_size)
     candidates = [
-        Layout(dp=world_size // (pp * tp), pp=pp, tp=tp)
+        Layout(dp=world_size // (pp * tp), pp=pp, tp=tp, shard=shard)
         for pp in range(1, limits.max_pp + 1)
         for tp in sorted(set(limits.tp_options))
         if world_size % (pp * tp) == 0
         and world_size // (pp * tp) >= limits.min_dp
-        and limits.fits_memory(pp, tp)
+        for shard in _shard_options(world_size // (pp * tp), pp * tp, limits.max_shard)
+        if limits.fits_memory(pp, tp, shard)
     ]
     if not candidates:
         raise ConfigError(
             f"no layout fills a world of {world_size} ranks with {limits}",
             "Change the node count so that dp x pp x tp can fill it, or relax the model limits "
-            "(max_pp, tp_options, min_dp, max_params_per_rank).",
+            "(max_pp, tp_options, min_dp, max_params_per_rank, max_shard).",
         )
-    layout = min(candidates, key=lambda c: (-c.dp, c.pp, c.tp))
+    layout = min(candidates, key=lambda c: (-c.dp, c.pp, c.tp, -c.shard))
     logger.debug("Planned layout %s for world size %s", layout, world_size)
     return layout
 
 
+def _shard_options(dp: int, model_parallel: int, max_shard: int) -> list[int]:
+    """The shard degrees a ``dp``-wide data-parallel axis can take: divisors up to ``max_shard``."""
+    if model_parallel > 1:
+        return [1]
+    return [shard for shard in range(1, min(dp, max_shard) + 1) if dp % shard == 0]
+
+
 def has_replica_for_every_shard(layout: Layout, lost_ranks: set[int]) -> bool:
-    """Whether every ``(pp, tp)`` shard still has a data-parallel replica outside ``lost_ranks``.
+    """Whether every ``(pp, tp)`` shard, and every piece of a sharded state, still has a
+    data-parallel replica outside ``lost_ranks``.
 
     When it does, the survivors can restore lost state by broadcast from a replica instead of
     reading the last checkpoint (and lose no steps). Ranks outside the layout are ignored.
     """
+    if layout.shard > 1:
+        return all(any(rank not in lost_ranks for rank in group)
+                   for group in layout.replicate_groups())
     return all(
         any(layout.rank_of(pp, dp, tp) not in lost_ranks for dp in range(layout.dp))
         for pp in range(layout.pp)

@@ -5,7 +5,10 @@ fresh set: the default (world) group bootstraps from ``PrefixStore(prefix, store
 per-round prefix such as ``/elastic_rt/<run_id>/round-<k>/`` (torchft's per-quorum prefix),
 so keys left by an earlier round, or by a worker of that round still shutting down, can never
 be mistaken for this round's. Then one group per mesh axis (``pp``, ``dp``, ``tp``) is built
-with ``new_group`` and the three are wrapped in a :class:`DeviceMesh` for DTensor.
+with ``new_group`` and the three are wrapped in a :class:`DeviceMesh` for DTensor. A sharded
+layout (``shard > 1``) also gets the mesh FSDP2 shards over: 1-D ``("shard",)`` over the
+data-parallel group (FSDP), or 2-D ``("replicate", "shard")`` (HSDP), whose two groups are made
+here too.
 
 Guarantees: :func:`init_groups` can be called again in the same process after
 :func:`destroy_groups`, any number of times, with another world size and layout.
@@ -54,6 +57,8 @@ class Groups:
         tp: the ranks sharing this rank's stage by tensor split (same ``pp`` and ``dp``).
         mesh: a ``("pp", "dp", "tp")`` mesh over the same groups, for DTensor.
         backend: torch's name: ``"gloo"``, or ``"cpu:gloo,cuda:nccl"`` (mixed).
+        shard_mesh: the mesh ``fully_shard`` shards over when ``layout.shard > 1``: one
+            ``"shard"`` axis (FSDP), or ``("replicate", "shard")`` (HSDP); else None.
     """
 
     layout: Layout
@@ -64,6 +69,7 @@ class Groups:
     tp: dist.ProcessGroup
     mesh: DeviceMesh | None
     backend: str
+    shard_mesh: DeviceMesh | None = None
 
     def axis(self, name: str) -> dist.ProcessGroup:
         """The group along mesh axis ``name`` (``"pp"``, ``"dp"`` or ``"tp"``)."""
@@ -147,7 +153,32 @@ def _create(store: dist.Store, rank: int, layout: Layout, prefix: str, timeout: 
     )
     # WORLD is Optional in torch's types; init_process_group has just set it.
     world = cast(dist.ProcessGroup, dist.group.WORLD)
-    return Groups(layout=layout, rank=rank, world=world, mesh=mesh, backend=backend, **mine)
+    shard_mesh = _shard_mesh(layout, rank, mine["dp"], timeout, backend)
+    return Groups(layout=layout, rank=rank, world=world, mesh=mesh, backend=backend,
+                  shard_mesh=shard_mesh, **mine)
+
+
+def _shard_mesh(layout: Layout, rank: int, dp: dist.ProcessGroup, timeout: timedelta,
+                backend: str) -> DeviceMesh | None:
+    """FSDP's mesh: the dp group itself, or HSDP's replicate x shard groups (made here)."""
+    if layout.shard == 1:
+        return None
+    device = "cuda" if uses_nccl(backend) else "cpu"
+    if layout.replicas == 1:
+        return DeviceMesh.from_group(dp, device, mesh_dim_names=("shard",))
+    pieces = [_member_group(groups, rank, timeout, backend)
+              for groups in (layout.replicate_groups(), layout.shard_groups())]
+    return DeviceMesh.from_group(
+        pieces, device, mesh=torch.tensor(layout.shard_groups()),
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def _member_group(all_ranks: list[list[int]], rank: int, timeout: timedelta,
+                  backend: str) -> dist.ProcessGroup:
+    """Every group of ``all_ranks`` made (collective), the one holding ``rank`` kept."""
+    groups = [dist.new_group(ranks, timeout=timeout, backend=backend) for ranks in all_ranks]
+    return next(group for ranks, group in zip(all_ranks, groups) if rank in ranks)
 
 
 def _axis_group(layout: Layout, axis: str, rank: int, timeout: timedelta,

@@ -97,6 +97,7 @@ from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
 from elastic_rt.worker.hang import HangWatchdog, dump_stacks
 from elastic_rt.worker.progress import ProgressPublisher, StepClock
+from elastic_rt.worker.sharded_trainer import ShardedTrainer
 from elastic_rt.worker.replicated import StepFn, StepOptions
 from elastic_rt.worker.trainers import (
     BuildFn,
@@ -189,6 +190,13 @@ def run(
             "autocast_dtype or clip_grad_norm is set but build() owns its step (step=None)",
             "Apply autocast and clipping inside the object's step(), or pass a step function.",
         )
+    if step is not None and limits.max_shard > 1 and (micro_batch_size or autocast_dtype):
+        # FSDP needs every rank to run the same number of forwards (their all-gathers), and
+        # mixed precision is its own MixedPrecisionPolicy: neither is wired in yet.
+        raise ConfigError(
+            "micro_batch_size or autocast_dtype is set with a sharded layout (max_shard > 1)",
+            "Leave both unset with max_shard > 1, or train replicated (max_shard=1).",
+        )
     check_dataset(dataset)
     pin_mmap_threshold()  # a steady heap over a long run; see worker/allocator.py
     sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
@@ -196,6 +204,7 @@ def run(
     options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
                           clip_grad_norm=clip_grad_norm)
     trainer: Trainer = (OwnedStepTrainer(build) if step is None
+                        else ShardedTrainer(build, step, options) if limits.max_shard > 1
                         else ReplicatedTrainer(build, step, options))
     loop = _ElasticLoop(
         trainer=trainer, checkpoint=checkpoint, limits=limits, sampler=sampler,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,19 @@ class StepOptions:
                               "Pass a norm > 0, or None to not clip.")
 
 
+class GradientReducer(Protocol):
+    """Sums gradients over the data-parallel ranks around a step's backward passes
+    (``grad_sync.GradientBuckets``; ``fsdp.ShardedGradients`` for a sharded model)."""
+
+    def zero_grad(self) -> None: ...
+
+    def begin(self, *, is_last_backward: bool) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class StepLoss:
     local_mean: float
@@ -76,12 +89,14 @@ class ReplicatedStep:
         self.device_type = self.device.type
         is_fp16 = options.autocast_dtype == torch.float16
         self.scaler = torch.amp.GradScaler(self.device_type) if is_fp16 else None
-        self.buckets: GradientBuckets | None = None
+        self.buckets: GradientReducer | None = None
 
-    def bind(self, dp_group: dist.ProcessGroup) -> None:
-        """Average over this round's data-parallel group from now on."""
+    def bind(self, dp_group: dist.ProcessGroup, reducer: GradientReducer | None = None) -> None:
+        """Average over this round's data-parallel group from now on (through ``reducer``
+        when given, e.g. a sharded model's own)."""
         self.unbind()
-        self.buckets = GradientBuckets(self.state.model, dp_group, self.options.grad_sync)
+        self.buckets = reducer or GradientBuckets(self.state.model, dp_group,
+                                                  self.options.grad_sync)
 
     def unbind(self) -> None:
         if self.buckets is not None:

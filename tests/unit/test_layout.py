@@ -216,3 +216,56 @@ def test_layout_module_does_not_import_torch() -> None:
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert imported and not [name for name in imported if name.startswith("torch")]
+
+
+# the shard axis (FSDP / HSDP) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size,expected", [
+    (1, Layout(dp=1)), (2, Layout(dp=2, shard=2)), (3, Layout(dp=3)), (4, Layout(dp=4, shard=2)),
+    (6, Layout(dp=6, shard=2)),
+])
+def test_max_shard_of_a_node_plans_hsdp_where_it_divides_the_world(
+    world_size: int, expected: Layout
+) -> None:
+    assert plan_layout(world_size, ModelLimits(max_shard=2)) == expected
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_a_large_max_shard_plans_fsdp_over_every_rank(world_size: int) -> None:
+    layout = plan_layout(world_size, ModelLimits(max_shard=64))
+    assert (layout.dp, layout.shard, layout.replicas) == (world_size, world_size, 1)
+
+
+def test_memory_limit_counts_the_shards() -> None:
+    limits = ModelLimits(max_shard=4, max_params_per_rank=300, n_params=1000)
+    assert plan_layout(4, limits) == Layout(dp=4, shard=4)
+    with pytest.raises(ConfigError, match="max_shard"):
+        plan_layout(3, ModelLimits(max_shard=2, max_params_per_rank=300, n_params=1000))
+
+
+def test_shard_is_not_combined_with_model_parallelism() -> None:
+    assert plan_layout(4, ModelLimits(max_pp=2, max_shard=4, min_dp=1,
+                                      max_params_per_rank=500, n_params=1000)).pp == 1
+    with pytest.raises(ConfigError, match="not combined"):
+        Layout(dp=2, pp=2, shard=2)
+    with pytest.raises(ConfigError, match="does not divide"):
+        Layout(dp=4, shard=3)
+
+
+def test_hsdp_groups_shard_within_and_replicate_across() -> None:
+    layout = Layout(dp=6, shard=3)
+    assert str(layout) == "hsdp2x3" and str(Layout(dp=4, shard=4)) == "fsdp4"
+    assert layout.shard_groups() == [[0, 1, 2], [3, 4, 5]]
+    assert layout.replicate_groups() == [[0, 3], [1, 4], [2, 5]]
+    assert [layout.shard_index(r) for r in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert Layout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
+    assert "shard" not in Layout(dp=2).to_dict()  # manifests of replicated layouts unchanged
+
+
+def test_a_piece_of_an_hsdp_state_survives_while_one_replica_of_it_is_left() -> None:
+    layout = Layout(dp=4, shard=2)
+    assert has_replica_for_every_shard(layout, {2, 3})
+    assert has_replica_for_every_shard(layout, {0, 3})
+    assert not has_replica_for_every_shard(layout, {1, 3})
+    assert not has_replica_for_every_shard(Layout(dp=4, shard=4), {2})

@@ -1,0 +1,152 @@
+"""A user's ``TrainState`` sharded with FSDP2 ``fully_shard``, and its state as pieces.
+
+The user's ``build(layout)`` returns a plain model and an optimizer over its parameters, as
+for data parallelism; :func:`shard_train_state` shards it over the round's mesh (FSDP, or HSDP
+on a replicate x shard mesh) and points the optimizer at the sharded parameters. Units: every
+module that owns parameters is one ``fully_shard`` unit (children first), then the root, so any
+model works without naming its layers. Gradients are *summed* over the data-parallel ranks
+(divide factor 1), as ``grad_sync`` does for replicated models: each rank already weights its
+loss by its share of the global batch.
+
+A rank's **piece** is what it holds of the state: its rows (dim 0) of every parameter and of
+every optimizer tensor shaped like one, plus what is whole everywhere (buffers, step counts,
+hyperparameters). Pieces ``0..shard-1`` of one step, concatenated in order, are the full state
+(FSDP2 splits dim 0 like ``torch.chunk``); a new layout takes its own rows of that full state
+with ``distribute_tensor`` and no communication. So state moves between any two layouts of the
+shard axis, FSDP, HSDP and plain replicas alike, by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from elastic_rt.worker.train_state import TrainState
+
+logger = logging.getLogger(__name__)
+
+Piece = dict[str, Any]
+"""``{"params", "optim_rows", "optim_whole", "buffers", "groups"}``: one rank's part."""
+
+
+def shard_train_state(state: TrainState, mesh: DeviceMesh) -> None:
+    """Shard ``state.model`` over ``mesh`` in place and re-point its optimizer.
+
+    The optimizer must not hold state yet (it is built, never stepped, by ``build``).
+    """
+    model = state.model
+    names = {id(p): name for name, p in model.named_parameters()}
+    for module in reversed(list(model.modules())):
+        if module is not model and any(True for _ in module.parameters(recurse=False)):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # A plain sum (gloo has no pre-multiplied sum): losses are weighted by share.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    sharded = dict(model.named_parameters())
+    for group in state.optimizer.param_groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+
+
+class ShardedGradients:
+    """The gradient reducer for a sharded model: FSDP reduces during backward.
+
+    Same calls as ``grad_sync.GradientBuckets``; only a step's last backward reduces
+    (the others accumulate, like DDP's ``no_sync``).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if not isinstance(model, FSDPModule):
+            raise TypeError("ShardedGradients needs a model sharded by fully_shard")
+        self.model: Any = model
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def begin(self, *, is_last_backward: bool) -> None:
+        self.model.set_requires_gradient_sync(is_last_backward)
+
+    def finish(self) -> None:
+        """Nothing left: FSDP's root waits for its reduce-scatters at the end of backward."""
+
+    def close(self) -> None:
+        """Nothing to remove: the model dies with its round."""
+
+
+def local_piece(state: TrainState) -> Piece:
+    """This rank's piece of model and optimizer state, as detached CPU tensors.
+
+    Reads only local shards: safe after the round's groups are destroyed.
+    """
+    model, optimizer = state.model, state.optimizer
+    names = {id(p): name for name, p in model.named_parameters()}
+    piece: Piece = {"params": {}, "optim_rows": {}, "optim_whole": {}, "groups": []}
+    for name, param in model.named_parameters():
+        piece["params"][name] = _local(param)
+    piece["buffers"] = {name: _local(b) for name, b in model.named_buffers()}
+    for held, entry in optimizer.state.items():
+        name = names[id(held)]
+        for key, value in entry.items():
+            is_rows = isinstance(value, torch.Tensor) and value.shape == held.shape
+            side = "optim_rows" if is_rows else "optim_whole"
+            piece[side][f"{name}\0{key}"] = _local(value) if isinstance(value, torch.Tensor) \
+                else value
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        piece["groups"].append({**hyper, "params": [names[id(p)] for p in group["params"]]})
+    return piece
+
+
+def join_pieces(pieces: list[Piece]) -> Piece:
+    """The full state from pieces ``0..n-1`` of one step (rows concatenated in order)."""
+    first = pieces[0]
+    full: Piece = {k: first[k] for k in ("buffers", "optim_whole", "groups")}
+    for side in ("params", "optim_rows"):
+        full[side] = {key: torch.cat([p[side][key] for p in pieces]) for key in first[side]}
+    return full
+
+
+def load_full(state: TrainState, full: Piece) -> None:
+    """Give this rank its rows of ``full`` (from :func:`join_pieces`). No communication.
+
+    The optimizer's state tensors must exist (``initialize_optimizer_state``).
+    """
+    model, optimizer = state.model, state.optimizer
+    names = {id(p): name for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            _copy_rows(param, full["params"][name])
+        for name, buffer in model.named_buffers():
+            _local(buffer, detach=False).copy_(full["buffers"][name])
+        for held, entry in optimizer.state.items():
+            name = names[id(held)]
+            for key, value in entry.items():
+                flat = f"{name}\0{key}"
+                if flat in full["optim_rows"]:
+                    _copy_rows(value, full["optim_rows"][flat])
+                elif isinstance(value, torch.Tensor):
+                    value.copy_(full["optim_whole"][flat])
+                else:
+                    entry[key] = full["optim_whole"][flat]
+    for group, saved in zip(optimizer.param_groups, full["groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _local(tensor: torch.Tensor, *, detach: bool = True) -> torch.Tensor:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.detach().cpu() if detach else local
+
+
+def _copy_rows(target: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(target, DTensor):
+        mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(mine.to_local())
+    else:
+        target.copy_(full)

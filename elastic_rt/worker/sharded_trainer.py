@@ -1,0 +1,191 @@
+"""The trainer of the shard axis: a user's ``TrainState`` under FSDP2 or HSDP, rebuilt per round.
+
+``run(limits=ModelLimits(max_shard=...))`` picks it; ``build(layout)`` and ``step`` stay what
+they are for data parallelism. Every round the planner may cut the state differently (fsdp4,
+then fsdp3 after a node loss, hsdp2x2 after growth), and a sharded module is bound to its
+round's mesh, so each round ``build`` makes a fresh model, the runtime shards it over the new
+mesh, and the state comes, in this order of preference, from
+
+1. the pieces the ranks hold (their own shards, a surviving HSDP replica's): 0 steps lost;
+2. the newest committed checkpoint, resharded (steps after it are done again);
+3. the initial state (rank 0's model, on a fresh start only).
+
+A step updates the state only after its last collective (FSDP's reduce-scatter, clipping's
+norm), so a step that raised because a peer died leaves every survivor's piece at the last
+committed step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from elastic_rt.errors import ConfigError, ElasticError
+from elastic_rt.layout import Layout
+from elastic_rt.worker.context import Context
+from elastic_rt.worker.fsdp import ShardedGradients, load_full, local_piece, shard_train_state
+from elastic_rt.worker.piece_sync import Holding, fetch_full, gather_holdings, pick_piece_sources
+from elastic_rt.worker.replicated import (
+    ReplicatedStep,
+    StepFn,
+    StepOptions,
+    initialize_optimizer_state,
+)
+from elastic_rt.worker.state_sync import broadcast_state
+from elastic_rt.worker.train_state import TrainState
+from elastic_rt.worker.trainers import BuildFn, Restoring, load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class ShardedTrainer:
+    """A ``TrainState`` sharded over the data-parallel ranks (plain replicas when the round's
+    layout has ``shard == 1``); the runtime does its step."""
+
+    def __init__(self, build: BuildFn, step_fn: StepFn, options: StepOptions) -> None:
+        self.build, self.step_fn, self.options = build, step_fn, options
+        self.state: TrainState | None = None
+        self.stepper: ReplicatedStep | None = None
+        self.held: tuple[Layout, int] | None = None  # (layout, rank) the state is cut by
+
+    def result(self) -> Any:
+        return self.state
+
+    def restore(self, at: Restoring) -> str:
+        ctx, progress = at.ctx, at.progress
+        old, old_stepper = self.state, self.stepper
+        holdings, last = gather_holdings(self._holdings(progress.step, progress.is_dirty),
+                                         progress.step, ctx.groups.world)
+        sources = pick_piece_sources(holdings)
+        progress.is_dirty = True  # until the new state holds the state of `step`
+        self.state, self.stepper, self.held = self._build(ctx), None, (ctx.layout, ctx.rank)
+        if sources is not None:
+            def read(index: int) -> dict[str, Any]:
+                assert old is not None and old_stepper is not None
+                return {"piece": local_piece(old),
+                        "meta": _meta(old, old_stepper, at)}
+            full, meta = fetch_full(sources, read, ctx.groups.world)
+            old = old_stepper = None  # free the old pieces before the new ones fill
+            self._shard(ctx)
+            initialize_optimizer_state(self.state.optimizer)
+            load_full(self.state, full)
+            self._load_meta(meta, at)
+            progress.step, progress.is_dirty = sources.step, False
+            return "replicas"
+        old = old_stepper = None
+        return self._from_checkpoint_or_init(at, last)
+
+    def _holdings(self, step: int, is_dirty: bool) -> list[Holding]:
+        if self.held is None or is_dirty or step < 0:
+            return []
+        layout, rank = self.held
+        return [Holding(step, layout.shard, layout.shard_index(rank))]
+
+    def _build(self, ctx: Context) -> TrainState:
+        state = self.build(ctx.layout)
+        if not isinstance(state, TrainState):
+            raise ConfigError(f"build() returned {type(state).__name__}",
+                              "Return elastic_rt.TrainState(model=..., optimizer=...).")
+        return state
+
+    def _shard(self, ctx: Context) -> None:
+        assert self.state is not None
+        reducer = None
+        if ctx.layout.shard > 1:
+            assert ctx.groups.shard_mesh is not None
+            shard_train_state(self.state, ctx.groups.shard_mesh)
+            reducer = ShardedGradients(self.state.model)
+        self.stepper = ReplicatedStep(self.state, self.step_fn, self.options)
+        self.stepper.bind(ctx.groups.dp, reducer)
+
+    def _from_checkpoint_or_init(self, at: Restoring, last: int) -> str:
+        assert self.state is not None
+        # Rank 0's build is everybody's start (a checkpoint then overwrites all of it).
+        synced = broadcast_state(self.state.model.state_dict(), 0, at.ctx.groups.world)
+        self.state.model.load_state_dict(synced)
+        self._shard(at.ctx)
+        if at.checkpoint is not None:
+            fresh_optimizer = initialize_optimizer_state(self.state.optimizer)
+            target = self.checkpoint_state()
+            info = load_checkpoint(target, at)
+            if info is not None:
+                set_state_dict(self.state.model, self.state.optimizer,
+                               model_state_dict=target["model"],
+                               optim_state_dict=target["optimizer"], options=_FLAT)
+                self._load_meta(info.extra, at, with_position=False)
+                at.progress.is_dirty = False
+                if last > at.progress.step:
+                    logger.warning("no surviving copy of every shard; rolled back from step %d "
+                                   "to %d", last, at.progress.step)
+                return f"checkpoint {info.name}"
+            if fresh_optimizer:
+                self.state.optimizer.state.clear()  # as ReplicatedTrainer: no zero-step state
+        if last >= 0:
+            raise ElasticError(
+                "a shard of the model state was lost with no surviving copy and no committed "
+                "checkpoint; pass checkpoint=Checkpointer(url, every_steps=N)")
+        at.progress.step, at.progress.is_dirty = 0, False
+        return "init"
+
+    def _load_meta(self, meta: dict[str, Any], at: Restoring, *,
+                   with_position: bool = True) -> None:
+        assert self.state is not None and self.stepper is not None
+        if with_position:  # a checkpoint's sampler and step were loaded by load_checkpoint
+            at.sampler.load_state_dict(meta["sampler"])
+        self.state.extras = dict(meta.get("extras", {}))
+        if self.state.scheduler is not None and meta.get("scheduler"):
+            self.state.scheduler.load_state_dict(meta["scheduler"])
+        self.stepper.load_runtime_state(meta.get("runtime", {}))
+
+    def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
+              step: int) -> tuple[float, float]:
+        assert self.stepper is not None
+        if not micro_batches and ctx.layout.shard > 1:
+            # Every rank of a sharded model must run forward and backward (their collectives).
+            raise ConfigError(
+                f"step {step}: the global batch of {global_len} leaves rank {ctx.rank} of "
+                f"{ctx.layout.dp} data-parallel ranks without samples",
+                "Use a global batch of at least the largest data-parallel size, and "
+                "drop_last-sized epochs.",
+            )
+        loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step)
+        return loss.local_mean, loss.contribution
+
+    def is_step_atomic(self) -> bool:
+        return True
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Model and optimizer state by parameter name; DTensor shards under FSDP/HSDP."""
+        assert self.state is not None
+        model_state, optim_state = get_state_dict(self.state.model, self.state.optimizer,
+                                                  options=_FLAT)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        assert self.state is not None and self.stepper is not None
+        extra: dict[str, Any] = {"extras": self.state.extras,
+                                 "runtime": self.stepper.runtime_state()}
+        if self.state.scheduler is not None:
+            extra["scheduler"] = self.state.scheduler.state_dict()
+        return extra
+
+    def release(self) -> None:
+        if self.stepper is not None:
+            self.stepper.unbind()
+
+
+def _meta(state: TrainState, stepper: ReplicatedStep, at: Restoring) -> dict[str, Any]:
+    """What travels with piece 0: the runtime's position and the JSON-able extras."""
+    meta: dict[str, Any] = {"sampler": at.sampler.state_dict(), "extras": state.extras,
+                            "runtime": stepper.runtime_state()}
+    if state.scheduler is not None:
+        meta["scheduler"] = state.scheduler.state_dict()
+    return meta
