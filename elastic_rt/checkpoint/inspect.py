@@ -47,7 +47,8 @@ def _line(info: CheckpointInfo) -> str:
 def _layout_text(layout: dict[str, Any] | None) -> str:
     if not layout:
         return "-"
-    return "x".join(f"{axis}{layout[axis]}" for axis in ("dp", "pp", "tp") if axis in layout) or (
+    return "x".join(f"{axis}{layout[axis]}" for axis in ("dp", "pp", "tp", "shard")
+                    if axis in layout) or (
         ",".join(f"{k}={v}" for k, v in sorted(layout.items())))
 
 

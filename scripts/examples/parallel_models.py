@@ -9,6 +9,8 @@ have ended without the change.
 ``predict(x)``, ``state_dict()`` and ``load_state_dict(state)``:
 
 - ``dp`` only: the whole model under ``DistributedDataParallel``.
+- ``dp`` sharded (``fsdp4``, ``hsdp2x2``): the whole model under FSDP2 ``fully_shard``, one
+  unit per block, over the round's shard mesh; gradients summed by its reduce-scatter.
 - anything with ``pp`` or ``tp``: this rank's pipeline stage (a contiguous run of blocks),
   tensor-split with DTensor when ``tp > 1``, activations passed between stages with plain
   ``send``/``recv`` in a GPipe schedule, gradients summed over the ``dp`` group by hand.
@@ -51,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -236,6 +239,45 @@ class DDPTrainer(_Trainable):
         return module(x)
 
 
+class FSDPTrainer(_Trainable):
+    """Sharded data parallelism: each rank holds its rows of every parameter, gradient and
+    momentum buffer (FSDP), or of one replica's (HSDP: ``groups.shard_mesh`` is 2-D)."""
+
+    def __init__(self, layout: Layout, groups: Groups, *, seed: int = 0, lr: float = 0.05) -> None:
+        self.dp_rank, self.dp, self.group = layout.coords(groups.rank).dp, layout.dp, groups.dp
+        model = MLP(seed=seed)  # the same on every rank, so each keeps its own rows
+        for block in model.blocks.values():
+            fully_shard(block, mesh=groups.shard_mesh)
+        fully_shard(model, mesh=groups.shard_mesh)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # Sum, not average: the loss is already divided by the global batch size.
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        self.model = model
+        self.optimizer = make_optimizer(self.model, lr)
+
+    def step(self, batch: Batch) -> float:
+        x, y = batch
+        rows = _my_rows(len(x), self.dp_rank, self.dp)
+        return self.step_share((x[rows], y[rows]), len(x))
+
+    def step_share(self, share: Batch, global_batch: int) -> float:
+        """One step on this rank's rows of a global batch of ``global_batch`` rows."""
+        x, y = share
+        loss = loss_fn(self.model(x), y, global_batch)
+        loss.backward()
+        total = _sum(loss.detach(), self.group)  # before the update: see ``is_step_atomic``
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return total
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output for ``x``; collective (every rank gathers each block's rows)."""
+        return self.model(x)
+
+
 class MeshTrainer(_Trainable):
     """Any ``pp x dp x tp`` layout: this rank's stage, tensor-split, in a GPipe schedule.
 
@@ -347,6 +389,8 @@ def _split_tensors(model: MLP, blocks: range, groups: Groups) -> None:
 
 def build(layout: Layout, groups: Groups, *, seed: int = 0, lr: float = 0.05) -> Trainer:
     """This rank's piece of the model for ``layout``: DDP when the layout is pure dp."""
+    if layout.shard > 1:
+        return FSDPTrainer(layout, groups, seed=seed, lr=lr)
     if layout.pp == 1 and layout.tp == 1:
         return DDPTrainer(layout, groups, seed=seed, lr=lr)
     return MeshTrainer(layout, groups, seed=seed, lr=lr)
@@ -397,7 +441,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def parse_layout(text: str) -> Layout:
-    """``"dp2xpp2"`` -> ``Layout(dp=2, pp=2)``; axes left out are 1."""
+    """``"dp2xpp2"`` -> ``Layout(dp=2, pp=2)``; axes left out are 1. ``"fsdp4"`` shards dp4;
+    ``"hsdp2x2"`` is 2 replicas of 2 shards (``Layout(dp=4, shard=2)``)."""
+    sharded = re.fullmatch(r"fsdp(\d+)|hsdp(\d+)x(\d+)", text)
+    if sharded:
+        replicas, shard = (1, int(sharded[1])) if sharded[1] else (int(sharded[2]),
+                                                                   int(sharded[3]))
+        return Layout(dp=replicas * shard, shard=shard)
     degrees = {axis: int(n) for axis, n in re.findall(r"(dp|pp|tp)(\d+)", text)}
     return Layout(dp=degrees.get("dp", 1), pp=degrees.get("pp", 1), tp=degrees.get("tp", 1))
 

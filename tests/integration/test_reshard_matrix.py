@@ -39,6 +39,10 @@ FILE_CASES = [
     ("tp2", "dp2"),
     ("dp1", "pp2xtp2"),
     ("pp2xtp2", "dp2xpp2"),
+    ("fsdp4", "fsdp3"),
+    ("hsdp2x2", "fsdp3"),
+    ("fsdp2", "dp1"),
+    ("dp2xpp2", "fsdp4"),
 ]
 S3_CASES = [("dp2xpp2", "dp3"), ("tp2", "dp2")]
 TIMEOUT = timedelta(seconds=30)
