@@ -35,6 +35,15 @@ class Regression(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+def make_model(width: int, hidden: int) -> torch.nn.Module:
+    torch.manual_seed(0)  # every rank builds the same initial model
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, hidden), torch.nn.Tanh(),
+        torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
+        torch.nn.Linear(hidden, 1),
+    )
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
@@ -55,12 +64,7 @@ def main() -> None:
 
     def build(layout: ert.Layout) -> ert.TrainState:
         """A plain model and optimizer, as for data parallelism; the runtime shards them."""
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(args.width, args.hidden), torch.nn.Tanh(),
-            torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
-            torch.nn.Linear(args.hidden, 1),
-        )
+        model = make_model(args.width, args.hidden)
         return ert.TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
 
     def train_step(state: ert.TrainState, batch) -> torch.Tensor:

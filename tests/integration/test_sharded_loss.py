@@ -1,0 +1,111 @@
+"""Node loss and growth under HSDP, in a live job: re-shard in place from a surviving replica.
+
+Agents with two gloo workers each run ``scripts/examples/fsdp_train.py`` with ``--max-shard 2``:
+two nodes train as ``hsdp2x2`` (each node holds one sharded copy of parameters, gradients and
+Adam state), while node ``c`` waits to join with its workers started. Node ``b`` is SIGKILLed;
+``a``'s workers re-plan (``fsdp2`` alone, or ``hsdp2x2`` with ``c`` at once, depending on when
+the agents admit ``c``) and take every piece from their own replica, since no checkpoint is
+configured; ``c`` takes its pieces from ``a``'s ranks. No step may be lost or done twice, and
+the final parameters must equal those of an uninterrupted single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from elastic_rt.events import Event
+from elastic_rt.harness import REPO, child_env, wait_until
+from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.sampler import ElasticSampler
+from scripts.examples import fsdp_train as ft
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import events, launch_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
+
+SCRIPT = str(REPO / "scripts" / "examples" / "fsdp_train.py")
+STEPS, GLOBAL_BATCH, WIDTH, HIDDEN = 200, 12, 32, 64
+
+
+def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str):
+    args = launch_args(etcd_server.endpoint, run_id, "1:2", tmp / "events.jsonl", node_id=name,
+                       nproc=2)
+    script = [SCRIPT, "--steps", str(STEPS), "--max-shard", "2", "--step-time", "0.1",
+              "--global-batch", str(GLOBAL_BATCH), "--out", str(tmp / "out")]
+    return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
+
+
+def _completed(tmp: Path) -> list[Event]:
+    return [e for e in events(tmp / "events.jsonl") if e.name == "step.completed" and e.rank == 0]
+
+
+def _formed(tmp: Path, members: list[str]) -> bool:
+    return any(e.name == "round.formed" and sorted(e.metadata.get("members", ())) == members
+               for e in events(tmp / "events.jsonl"))
+
+
+def _trained(tmp: Path, world_size: int, after: int = 0) -> bool:
+    return any(step > after for step in _steps_in(tmp, world_size))
+
+
+def _steps_in(tmp: Path, world_size: int) -> list[int]:
+    return [e.step or 0 for e in _completed(tmp) if e.metadata["world_size"] == world_size]
+
+
+def _reference_params() -> dict[str, torch.Tensor]:
+    """One process, the whole global batch per step: what every layout must end with."""
+    data = ft.Regression(n=GLOBAL_BATCH * 50, width=WIDTH)
+    sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, seed=0)
+    model = ft.make_model(WIDTH, HIDDEN)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(STEPS):
+        x, y = default_collate([data[i] for i in sampler.global_batch()])
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sampler.advance()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_hsdp_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path
+) -> None:
+    nodes = {name: _node(process_tree, etcd_server, run_id, tmp_path, name) for name in "ab"}
+    wait_until(lambda: _formed(tmp_path, ["a", "b"]), 60, "the round of a and b")
+    # c's workers start (slow on a busy box) while a and b train; it joins after the kill.
+    nodes["c"] = _node(process_tree, etcd_server, run_id, tmp_path, "c")
+    kv = EtcdKV(etcd_server.endpoint)
+    try:  # c registers once its workers are imported and ready to be admitted
+        wait_until(lambda: "c" in RunRegistry(kv, run_id).nodes(), 180, "c's workers ready")
+    finally:
+        kv.close()
+    wait_until(lambda: _trained(tmp_path, 4, after=5), 180, "hsdp2x2 training past step 5")
+    os.killpg(nodes["b"].pid, signal.SIGKILL)
+    for name in "ac":
+        assert nodes[name].wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+
+    got = ft.join_params(str(tmp_path / "out"))
+    want = _reference_params()
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
+
+    log = events(tmp_path / "events.jsonl")
+    layouts = [e.metadata["layout"] for e in log if e.name == "groups.reformed" and e.node == "a"]
+    assert layouts[0] == layouts[-1] == "hsdp2x2" and len(layouts) >= 2 * 2, layouts
+    sources = {e.metadata["source"] for e in log if e.name == "state.restored"}
+    assert sources == {"init", "replicas"}, sources  # never the checkpoint: none is configured
+    from_replicas = {e.node for e in log if e.name == "state.restored"
+                     and e.metadata["source"] == "replicas"}
+    assert from_replicas == {"a", "c"}, from_replicas
+    assert not [e for e in log if e.name == "worker.restarted"], "recovery was not in-process"
+    # Each of a's two workers did every step once: none lost to the kill, none redone.
+    steps = sorted(e.step or 0 for e in log if e.name == "step.completed" and e.node == "a")
+    assert steps == sorted(2 * list(range(1, STEPS + 1))), "a step was lost or done twice"
