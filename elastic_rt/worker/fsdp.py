@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from elastic_rt.worker.state_sync import join_tensors, split_tensors
 from elastic_rt.worker.train_state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,11 @@ def local_piece(state: TrainState) -> Piece:
     Reads only local shards: safe after the round's groups are destroyed.
     """
     model, optimizer = state.model, state.optimizer
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # A step that failed between forward and backward leaves the gathered (full)
+            # parameters registered; put the shards back (local, no communication).
+            module.reshard()
     names = {id(p): name for name, p in model.named_parameters()}
     piece: Piece = {"params": {}, "optim_rows": {}, "optim_whole": {}, "groups": []}
     for name, param in model.named_parameters():
@@ -102,6 +108,12 @@ def local_piece(state: TrainState) -> Piece:
         hyper = {k: v for k, v in group.items() if k != "params"}
         piece["groups"].append({**hyper, "params": [names[id(p)] for p in group["params"]]})
     return piece
+
+
+def clone_piece(piece: Piece) -> Piece:
+    """A copy of ``piece`` that later steps do not change (its tensors are live views)."""
+    skeleton, tensors = split_tensors(piece)
+    return join_tensors(skeleton, [t.clone() for t in tensors])
 
 
 def join_pieces(pieces: list[Piece]) -> Piece:

@@ -144,6 +144,7 @@ def run(
     autocast_dtype: torch.dtype | None = None,
     clip_grad_norm: float | None = None,
     on_step: Callable[[StepReport], None] | None = None,
+    peer_copy_every: int = 1,
 ) -> Any:
     """Train ``max_steps`` steps elastically; returns this rank's final state.
 
@@ -169,6 +170,10 @@ def run(
         clip_grad_norm: clip the averaged gradients to this global norm.
         on_step: called after every committed step with a :class:`StepReport`
             (costs one small all-reduce per step for the global loss).
+        peer_copy_every: under FSDP (``limits.max_shard > 1``, no replica), snapshot each
+            rank's shards and copy them to a rank on the next node every this many steps,
+            so a node loss redoes at most this many steps without reading storage (0: off;
+            see ``worker/peer_copies.py``).
 
     Raises:
         ElasticError: recovery is impossible (budget spent, no round in time).
@@ -204,7 +209,8 @@ def run(
     options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
                           clip_grad_norm=clip_grad_norm)
     trainer: Trainer = (OwnedStepTrainer(build) if step is None
-                        else ShardedTrainer(build, step, options) if limits.max_shard > 1
+                        else ShardedTrainer(build, step, options, copy_every=peer_copy_every)
+                        if limits.max_shard > 1
                         else ReplicatedTrainer(build, step, options))
     loop = _ElasticLoop(
         trainer=trainer, checkpoint=checkpoint, limits=limits, sampler=sampler,

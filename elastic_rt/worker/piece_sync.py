@@ -44,6 +44,10 @@ class Sources:
     step: int
     ranks: tuple[int, ...]
 
+    @property
+    def count(self) -> int:
+        return len(self.ranks)
+
 
 def pick_piece_sources(holdings: list[list[Holding]]) -> Sources | None:
     """The highest step at which every piece of one sharding has a holder, and the holders.
@@ -64,15 +68,17 @@ def pick_piece_sources(holdings: list[list[Holding]]) -> Sources | None:
     return None
 
 
-def gather_holdings(mine: list[Holding], last_step: int,
-                    group: dist.ProcessGroup) -> tuple[list[list[Holding]], int]:
-    """Every rank's holdings, indexed by rank in ``group``, and the highest ``last_step``
-    (the last step any rank finished, -1 on a fresh start). Collective."""
+def gather_holdings(
+    live: list[Holding], copies: list[Holding], last_step: int, group: dist.ProcessGroup,
+) -> tuple[list[list[Holding]], list[list[Holding]], int]:
+    """Every rank's live pieces and snapshot copies, indexed by rank in ``group``, and the
+    highest ``last_step`` (the last step any rank finished, -1 on a fresh start). Collective."""
     entries: list[Any] = [None] * dist.get_world_size(group)
-    mine_raw = [(h.step, h.count, h.index) for h in mine]
-    dist.all_gather_object(entries, (last_step, mine_raw), group=group)
-    holdings = [[Holding(int(s), int(c), int(i)) for s, c, i in held] for _, held in entries]
-    return holdings, max(int(last) for last, _ in entries)
+    raw = [[(h.step, h.count, h.index) for h in held] for held in (live, copies)]
+    dist.all_gather_object(entries, (last_step, raw), group=group)
+    lives, snapshots = ([[Holding(int(s), int(c), int(i)) for s, c, i in held[side]]
+                         for _, held in entries] for side in (0, 1))
+    return lives, snapshots, max(int(last) for last, _ in entries)
 
 
 def fetch_full(sources: Sources, read: Callable[[int], dict[str, Any]],

@@ -7,8 +7,10 @@ round's mesh, so each round ``build`` makes a fresh model, the runtime shards it
 mesh, and the state comes, in this order of preference, from
 
 1. the pieces the ranks hold (their own shards, a surviving HSDP replica's): 0 steps lost;
-2. the newest committed checkpoint, resharded (steps after it are done again);
-3. the initial state (rank 0's model, on a fresh start only).
+2. under FSDP, the snapshots ranks keep of their own and their ring neighbour's pieces
+   (``peer_copies``): at most ``copy_every`` steps done again;
+3. the newest committed checkpoint, resharded (steps after it are done again);
+4. the initial state (rank 0's model, on a fresh start only).
 
 A step updates the state only after its last collective (FSDP's reduce-scatter, clipping's
 norm), so a step that raised because a peer died leaves every survivor's piece at the last
@@ -18,6 +20,7 @@ committed step.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from torch.distributed.checkpoint.state_dict import (
@@ -26,10 +29,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from elastic_rt.config import LOCAL_WORLD_SIZE_ENV
 from elastic_rt.errors import ConfigError, ElasticError
 from elastic_rt.layout import Layout
 from elastic_rt.worker.context import Context
-from elastic_rt.worker.fsdp import ShardedGradients, load_full, local_piece, shard_train_state
+from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.fsdp import (
+    ShardedGradients,
+    clone_piece,
+    load_full,
+    local_piece,
+    shard_train_state,
+)
+from elastic_rt.worker.peer_copies import Snapshot, exchange, ring_holder
 from elastic_rt.worker.piece_sync import Holding, fetch_full, gather_holdings, pick_piece_sources
 from elastic_rt.worker.replicated import (
     ReplicatedStep,
@@ -50,38 +62,83 @@ class ShardedTrainer:
     """A ``TrainState`` sharded over the data-parallel ranks (plain replicas when the round's
     layout has ``shard == 1``); the runtime does its step."""
 
-    def __init__(self, build: BuildFn, step_fn: StepFn, options: StepOptions) -> None:
+    def __init__(self, build: BuildFn, step_fn: StepFn, options: StepOptions, *,
+                 copy_every: int = 1) -> None:
+        if copy_every < 0:
+            raise ConfigError(f"peer_copy_every={copy_every} is negative",
+                              "Pass 0 (no peer copies) or a number of steps >= 1.")
         self.build, self.step_fn, self.options = build, step_fn, options
+        self.copy_every = copy_every
         self.state: TrainState | None = None
         self.stepper: ReplicatedStep | None = None
         self.held: tuple[Layout, int] | None = None  # (layout, rank) the state is cut by
+        self.snapshot: Snapshot | None = None
+        self.sampler: ElasticSampler | None = None
 
     def result(self) -> Any:
         return self.state
 
     def restore(self, at: Restoring) -> str:
         ctx, progress = at.ctx, at.progress
-        old, old_stepper = self.state, self.stepper
-        holdings, last = gather_holdings(self._holdings(progress.step, progress.is_dirty),
-                                         progress.step, ctx.groups.world)
-        sources = pick_piece_sources(holdings)
+        old, old_stepper, snapshot = self.state, self.stepper, self.snapshot
+        self.sampler = at.sampler
+        lives, copies, last = gather_holdings(
+            self._holdings(progress.step, progress.is_dirty),
+            snapshot.holdings() if snapshot else [], progress.step, ctx.groups.world)
+        sources = pick_piece_sources(lives)
+        source = "replicas"
+        if sources is None:
+            sources = pick_piece_sources([a + b for a, b in zip(lives, copies)])
+            source = "peer copies"
         progress.is_dirty = True  # until the new state holds the state of `step`
         self.state, self.stepper, self.held = self._build(ctx), None, (ctx.layout, ctx.rank)
+        self.snapshot = None  # taken again under the new layout at the next step
         if sources is not None:
+            live_step = progress.step
+
             def read(index: int) -> dict[str, Any]:
                 assert old is not None and old_stepper is not None
-                return {"piece": local_piece(old),
-                        "meta": _meta(old, old_stepper, at)}
+                if sources.step == live_step and lives[ctx.rank][:1] == [
+                        Holding(live_step, sources.count, index)]:
+                    return {"piece": local_piece(old), "meta": _meta(old, old_stepper, at)}
+                assert snapshot is not None and snapshot.step == sources.step
+                return {"piece": snapshot.piece(index), "meta": snapshot.meta}
             full, meta = fetch_full(sources, read, ctx.groups.world)
-            old = old_stepper = None  # free the old pieces before the new ones fill
+            old = old_stepper = snapshot = None  # free the old pieces before the new ones fill
             self._shard(ctx)
             initialize_optimizer_state(self.state.optimizer)
             load_full(self.state, full)
             self._load_meta(meta, at)
+            if last > sources.step:
+                logger.warning("restored from %s of step %d; steps %d-%d are done again",
+                               source, sources.step, sources.step + 1, last)
             progress.step, progress.is_dirty = sources.step, False
-            return "replicas"
-        old = old_stepper = None
+            return source
+        old = old_stepper = snapshot = None
         return self._from_checkpoint_or_init(at, last)
+
+    def _refresh_snapshot(self, ctx: Context, committed: int) -> None:
+        """Every ``copy_every`` steps under FSDP: snapshot this rank's piece and swap a copy
+        with the ring (at the start of a step, so that a failure here changes no state)."""
+        layout, snapshot = ctx.layout, self.snapshot
+        holder = ring_holder(ctx.rank, ctx.world_size, self.ranks_per_node)
+        if (not self.copy_every or layout.shard == 1 or layout.replicas > 1
+                or holder == ctx.rank or committed < 0):
+            return
+        if snapshot is not None and committed - snapshot.step < self.copy_every:
+            return
+        assert self.state is not None and self.stepper is not None and self.sampler is not None
+        own = clone_piece(local_piece(self.state))
+        source = (ctx.rank - self.ranks_per_node) % ctx.world_size
+        peer = exchange(own, to=holder, source=source, group=ctx.groups.world)
+        self.snapshot = Snapshot(
+            step=committed, count=layout.shard, own_index=layout.shard_index(ctx.rank),
+            peer_index=layout.shard_index(source), own=own, peer=peer,
+            meta=_meta(self.state, self.stepper, self.sampler))
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(1, int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "1")))
 
     def _holdings(self, step: int, is_dirty: bool) -> list[Holding]:
         if self.held is None or is_dirty or step < 0:
@@ -156,6 +213,7 @@ class ShardedTrainer:
                 "Use a global batch of at least the largest data-parallel size, and "
                 "drop_last-sized epochs.",
             )
+        self._refresh_snapshot(ctx, step - 1)
         loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step)
         return loss.local_mean, loss.contribution
 
@@ -182,9 +240,11 @@ class ShardedTrainer:
             self.stepper.unbind()
 
 
-def _meta(state: TrainState, stepper: ReplicatedStep, at: Restoring) -> dict[str, Any]:
+def _meta(state: TrainState, stepper: ReplicatedStep, at: Restoring | ElasticSampler
+          ) -> dict[str, Any]:
     """What travels with piece 0: the runtime's position and the JSON-able extras."""
-    meta: dict[str, Any] = {"sampler": at.sampler.state_dict(), "extras": state.extras,
+    sampler = at if isinstance(at, ElasticSampler) else at.sampler
+    meta: dict[str, Any] = {"sampler": sampler.state_dict(), "extras": dict(state.extras),
                             "runtime": stepper.runtime_state()}
     if state.scheduler is not None:
         meta["scheduler"] = state.scheduler.state_dict()

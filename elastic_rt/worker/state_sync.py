@@ -104,3 +104,21 @@ def _fill(skeleton: Any, tensors: dict[int, torch.Tensor]) -> Any:
     if isinstance(skeleton, (list, tuple)):
         return type(skeleton)(_fill(v, tensors) for v in skeleton)
     return skeleton
+
+
+def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``state`` as (a picklable skeleton, its tensors in order), for sending elsewhere."""
+    tensors: list[torch.Tensor] = []
+    return _strip(state, tensors), tensors
+
+
+def tensor_slots(skeleton: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each tensor a skeleton of :func:`split_tensors` stands for, in order."""
+    slots: list[_TensorSlot] = []
+    _collect_slots(skeleton, slots)
+    return [(slot.shape, slot.dtype) for slot in sorted(slots, key=lambda s: s.index)]
+
+
+def join_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """The state :func:`split_tensors` split, from its skeleton and tensors."""
+    return _fill(skeleton, dict(enumerate(tensors)))

@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.0, help="simulated extra compute per step")
     p.add_argument("--checkpoint", default=None, help="URL for checkpoints (optional)")
     p.add_argument("--every", type=int, default=20)
+    p.add_argument("--peer-copy-every", type=int, default=1,
+                   help="copy each rank's shards to the next node every N steps (0: off)")
     p.add_argument("--out", default=None, help="a folder: each rank writes its rows here")
     return p.parse_args()
 
@@ -83,6 +85,7 @@ def main() -> None:
         max_steps=args.steps,
         checkpoint=checkpoint,
         limits=ert.ModelLimits(max_shard=args.max_shard),
+        peer_copy_every=args.peer_copy_every,
     )
     # run() has destroyed the groups (no collectives now): each rank writes its own rows.
     if args.out:
