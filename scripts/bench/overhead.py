@@ -1,5 +1,8 @@
 """Steady-state step time and peak memory: elastic-rt's in-process loop vs torchrun + DDP.
 
+With ``--fsdp`` the same for the shard axis: elastic-rt with ``max_shard`` (FSDP2 over both
+workers, peer copies every ``--peer-copy-every`` steps) vs torchrun + ``fully_shard``.
+
 One node, 2 gloo workers on CPU, ``scripts/bench/steady_train.py`` on both sides (the
 same model, data, global batch, AdamW and DataLoader worker processes):
 
@@ -70,13 +73,15 @@ def run_once(loop: str, case: str, args: argparse.Namespace, etcd: EtcdServer,
         old.unlink(missing_ok=True)
     script = [SCRIPT, *CASES[case], "--steps", str(args.steps), "--num-workers",
               str(args.num_workers), "--times", str(times), "--rss", str(rss)]
+    if args.fsdp:
+        script += ["--max-shard", "64", "--peer-copy-every", str(args.peer_copy_every)]
     if loop == "elastic-rt":
         command = [PYTHON, "-m", "elastic_rt.cli", "launch", "--nnodes", "1",
                    "--nproc-per-node", "2", "--rdzv-endpoint", f"etcd://{etcd.endpoint}",
                    "--run-id", f"overhead-{uuid.uuid4().hex[:6]}", *script, "--loop", "elastic"]
     else:
         command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                   "--nproc-per-node", "2", *script, "--loop", "ddp"]
+                   "--nproc-per-node", "2", *script, "--loop", "fsdp" if args.fsdp else "ddp"]
     _run(command, work / f"{loop}.log", args.timeout)
     peaks = [json.loads(p.read_text())["peak_mib"] for p in work.glob("rss.*")]
     return json.loads(times.read_text()), max(peaks)
@@ -107,6 +112,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--keep", action="store_true", help="keep logs")
+    p.add_argument("--fsdp", action="store_true", help="the shard axis vs torchrun + FSDP2")
+    p.add_argument("--peer-copy-every", type=int, default=1,
+                   help="--fsdp: elastic-rt's peer copies every N steps (0: off)")
     return p.parse_args()
 
 
@@ -119,11 +127,12 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.1f}; logs in {work}", flush=True)
     steps: dict[tuple[str, str], list[float]] = {}
     peaks: dict[tuple[str, str], list[float]] = {}
+    loops = (LOOPS[0], "torchrun+FSDP2") if args.fsdp else LOOPS
     try:
         with interruptible(), EtcdServer() as etcd:
             for case in args.cases:
                 for i in range(args.repeats):
-                    for loop in (LOOPS if i % 2 == 0 else LOOPS[::-1]):
+                    for loop in (loops if i % 2 == 0 else loops[::-1]):
                         began = time.monotonic()
                         times, peak = run_once(loop, case, args, etcd, work)
                         step = steady_step_time(times, args.warmup, args.window)
@@ -137,14 +146,15 @@ def main() -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    return _report(args.cases, steps, peaks)
+    return _report(args.cases, steps, peaks, loops)
 
 
 def _report(cases: list[str], steps: dict[tuple[str, str], list[float]],
-            peaks: dict[tuple[str, str], list[float]]) -> int:
+            peaks: dict[tuple[str, str], list[float]], loops: tuple[str, str]) -> int:
     rows, verdicts = [], []
+    twin_name = loops[1]
     for case in cases:
-        ours, twin = (case, LOOPS[0]), (case, LOOPS[1])
+        ours, twin = (case, loops[0]), (case, loops[1])
         if ours not in steps or twin not in steps:
             continue
         step_ratio = median(steps[ours]) / median(steps[twin])  # type: ignore[operator]
@@ -153,7 +163,7 @@ def _report(cases: list[str], steps: dict[tuple[str, str], list[float]],
             ms = median(steps[key]) * 1000  # type: ignore[operator]
             rows.append([case, key[1], fmt(ms, ".1f"),
                          " ".join(f"{x * 1000:.1f}" for x in steps[key]), f"{max(peaks[key]):.0f}"])
-        verdicts.append(f"{case}: step time {step_ratio:.3f}x torchrun+DDP (target <= 1.02: "
+        verdicts.append(f"{case}: step time {step_ratio:.3f}x {twin_name} (target <= 1.02: "
                         f"{'met' if step_ratio <= 1.02 else 'MISSED'}), peak RSS {rss_ratio:.3f}x "
                         f"(target <= 1.05: {'met' if rss_ratio <= 1.05 else 'MISSED'})")
     if not rows:

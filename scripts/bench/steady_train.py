@@ -1,4 +1,4 @@
-"""One training job, two loops: elastic-rt's ``run`` and the torchrun + DDP twin.
+"""One training job, two loops: elastic-rt's ``run`` and the torchrun + DDP (or FSDP2) twin.
 
 The same MLP (``--layers`` Linear layers of ``--width``, 4 x 2048 = 16.8M parameters by
 default), the same data (optionally waiting ``--fetch-ms`` per sample, as a dataset that
@@ -9,6 +9,9 @@ reads from storage does), the same global batch, AdamW, and a DataLoader with
   ``LoaderOptions(num_workers=...)``.
 - ``--loop ddp``: run under ``torchrun``; ``DistributedSampler`` + ``DataLoader`` +
   ``DistributedDataParallel``, as a torchrun user writes it.
+- ``--max-shard N`` with ``--loop elastic``: the runtime shards the model (FSDP2);
+  ``--loop fsdp`` is its torchrun twin, ``fully_shard`` on each Linear and the root over
+  every rank, as the runtime does.
 
 Rank 0 keeps the wall-clock time at which each step starts, in memory, and writes them
 to ``--times`` (JSON) at the end; every rank writes its peak RSS (``ru_maxrss``, MiB) to
@@ -57,7 +60,9 @@ def make_model(width: int, layers: int) -> torch.nn.Module:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--loop", choices=["elastic", "ddp"], required=True)
+    p.add_argument("--loop", choices=["elastic", "ddp", "fsdp"], required=True)
+    p.add_argument("--max-shard", type=int, default=1, help="elastic: shard over this many")
+    p.add_argument("--peer-copy-every", type=int, default=1, help="elastic FSDP: peer copies")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--layers", type=int, default=4)
@@ -84,11 +89,13 @@ def train_elastic(args: argparse.Namespace, times: list[float]) -> int:
     ert.run(build=build, step=train_step,
             dataset=Samples(args.global_batch * 50, args.width, args.fetch_ms),
             global_batch_size=args.global_batch, max_steps=args.steps,
-            loader=ert.LoaderOptions(num_workers=args.num_workers))
+            loader=ert.LoaderOptions(num_workers=args.num_workers),
+            limits=ert.ModelLimits(max_shard=args.max_shard),
+            peer_copy_every=args.peer_copy_every)
     return ert.context().rank
 
 
-def train_ddp(args: argparse.Namespace, times: list[float]) -> int:
+def train_twin(args: argparse.Namespace, times: list[float]) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
@@ -101,7 +108,17 @@ def train_ddp(args: argparse.Namespace, times: list[float]) -> int:
     loader = DataLoader(dataset, batch_size=args.global_batch // world, sampler=sampler,
                         drop_last=True, num_workers=args.num_workers,
                         persistent_workers=args.num_workers > 0)
-    model = DistributedDataParallel(make_model(args.width, args.layers))
+    model: torch.nn.Module
+    if args.loop == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        model = make_model(args.width, args.layers)
+        for layer in model.modules():  # each Linear a unit, as the runtime's policy
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = DistributedDataParallel(make_model(args.width, args.layers))
     optimizer = torch.optim.AdamW(model.parameters())
     epoch = 0
     while len(times) < args.steps:
@@ -124,7 +141,7 @@ def train_ddp(args: argparse.Namespace, times: list[float]) -> int:
 def main() -> None:
     args = parse_args()
     times: list[float] = []
-    rank = train_elastic(args, times) if args.loop == "elastic" else train_ddp(args, times)
+    rank = train_elastic(args, times) if args.loop == "elastic" else train_twin(args, times)
     if rank == 0:
         times.append(time.time())  # the end of the last step
         Path(args.times).write_text(json.dumps(times))
