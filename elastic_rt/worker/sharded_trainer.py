@@ -79,6 +79,19 @@ class ShardedTrainer:
         return self.state
 
     def restore(self, at: Restoring) -> str:
+        kept = (self.state, self.stepper, self.held, self.snapshot, at.progress.step,
+                at.progress.is_dirty, at.sampler.state_dict())
+        try:
+            return self._restore(at)
+        except BaseException:
+            # A peer died during the restore: keep what this rank held, so that the next
+            # round can still restore from it (a fresh build holds nothing).
+            (self.state, self.stepper, self.held, self.snapshot, at.progress.step,
+             at.progress.is_dirty, sampler) = kept
+            at.sampler.load_state_dict(sampler)
+            raise
+
+    def _restore(self, at: Restoring) -> str:
         ctx, progress = at.ctx, at.progress
         old, old_stepper, snapshot = self.state, self.stepper, self.snapshot
         self.sampler = at.sampler
@@ -104,7 +117,6 @@ class ShardedTrainer:
                 assert snapshot is not None and snapshot.step == sources.step
                 return {"piece": snapshot.piece(index), "meta": snapshot.meta}
             full, meta = fetch_full(sources, read, ctx.groups.world)
-            old = old_stepper = snapshot = None  # free the old pieces before the new ones fill
             self._shard(ctx)
             initialize_optimizer_state(self.state.optimizer)
             load_full(self.state, full)
@@ -114,7 +126,6 @@ class ShardedTrainer:
                                source, sources.step, sources.step + 1, last)
             progress.step, progress.is_dirty = sources.step, False
             return source
-        old = old_stepper = snapshot = None
         return self._from_checkpoint_or_init(at, last)
 
     def _refresh_snapshot(self, ctx: Context, committed: int) -> None:
