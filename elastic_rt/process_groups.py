@@ -10,6 +10,7 @@ with ``new_group`` and the three are wrapped in a :class:`DeviceMesh` for DTenso
 Guarantees: :func:`init_groups` can be called again in the same process after
 :func:`destroy_groups`, any number of times, with another world size and layout.
 :func:`destroy_groups` never raises and never waits on a peer, so it is safe after a peer died.
+:func:`abandon_groups` lets go of a round whose collective may still be blocked on a hung peer.
 
 Does not guarantee: that the groups survive a peer's death; a collective on a broken group
 fails (or times out after ``timeout``) and the caller re-forms.
@@ -24,6 +25,7 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -165,6 +167,41 @@ def destroy_groups(groups: Groups | None) -> None:
                        exc_info=True)
     _forget_sharding_cache()
     logger.info("Process groups of %s destroyed", what)
+
+
+_abandoned: list[list[dist.ProcessGroup]] = []
+"""Every group of every abandoned gloo round, kept so that no destructor runs (see below)."""
+
+
+def abandon_groups(groups: Groups | None) -> None:
+    """Let go of this round's groups while a collective may still be blocked in them.
+
+    NCCL: abort, which frees a blocked collective (what NCCL offers for this). gloo: torch
+    2.13's ``abort()`` returns without freeing a thread blocked on a hung (SIGSTOPped)
+    peer, and ``shutdown()`` or the group's destructor would join that thread, so the
+    groups are only forgotten: torch's registry is cleared the way
+    ``destroy_process_group`` clears it, minus the shutdown, and the group objects are
+    kept here for the life of the process. Their blocked work ends when the peer is
+    stopped or its timeout passes, writing only into that round's buffers. The next
+    :func:`init_groups` then starts afresh (its store prefix is the new round's).
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        destroy_groups(groups)  # aborts the communicators
+        return
+    world = c10d._world
+    _abandoned.append(list(world.pg_map))
+    c10d._update_default_pg(None)
+    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                     world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):
+        registry.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+    _forget_sharding_cache()
+    what = f"layout {groups.layout}" if groups is not None else "an unfinished round"
+    logger.info("Process groups of %s abandoned (a collective may be blocked on a hung peer)",
+                what)
 
 
 def side_group(training: dist.ProcessGroup | None, timeout: timedelta) -> dist.ProcessGroup | None:

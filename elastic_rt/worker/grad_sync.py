@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from elastic_rt.worker import abort
+
 CommHook = Callable[[dist.ProcessGroup, torch.Tensor], Future[torch.Tensor]]
 """Reduces one bucket over the group to its sum; returns a future of the result, which
 may be the bucket itself (reduced in place) or a new tensor of its shape and dtype."""
@@ -129,12 +131,13 @@ class GradientBuckets:
 
         Raises:
             RuntimeError: a collective failed (a peer is gone).
+            RoundAbandoned: a newer round dropped a peer while we waited (``abort``).
         """
         try:
             if self.is_active:
                 self._launch_ready(until=len(self.buckets))
                 for bucket, future in zip(self.buckets, self._futures):
-                    result = future.wait()
+                    result = abort.wait(future)
                     if result is not bucket.buffer:
                         bucket.buffer.copy_(result)
         finally:

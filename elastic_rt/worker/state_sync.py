@@ -8,7 +8,10 @@ step only completes once its gradient all-reduce has seen every rank's share.
 
 The structure (keys, shapes, dtypes, plain values such as param_groups) travels
 as one small object broadcast; the tensors travel as one flat buffer per dtype,
-so a model of many small tensors costs a few collectives, not thousands.
+so a model of many small tensors costs a few collectives, not thousands. The tensor
+collectives are waited on through the round's abort notice (``worker/abort.py``) and
+receive into fresh buffers, so one abandoned by a newer round writes into nothing the
+next round reads.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from elastic_rt.worker import abort
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +36,10 @@ def pick_source(step: int, group: dist.ProcessGroup) -> tuple[int, int]:
     """(source rank in ``group``, its step); ``step`` is -1 on ranks with no state."""
     world = dist.get_world_size(group)
     steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(steps, torch.tensor([step], dtype=torch.int64), group=group)
+    work = dist.all_gather(steps, torch.tensor([step], dtype=torch.int64), group=group,
+                           async_op=True)
+    assert work is not None  # async_op=True always returns a Work
+    abort.wait(work.get_future())
     values = [int(s.item()) for s in steps]
     best = max(values)
     return values.index(best), best
@@ -90,7 +98,9 @@ def _broadcast_tensors(
             flat = torch.cat([tensors[s.index].reshape(-1) for s in group_slots])
         else:
             flat = torch.empty(sum(sizes), dtype=dtype)
-        dist.broadcast(flat, group_src=src, group=group)
+        work = dist.broadcast(flat, group_src=src, group=group, async_op=True)
+        assert work is not None
+        abort.wait(work.get_future())
         for slot, piece in zip(group_slots, torch.split(flat, sizes)):
             result[slot.index] = piece.view(slot.shape).clone()
     return result
