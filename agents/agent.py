@@ -20,6 +20,7 @@ import time
 from agents import policy
 from agents.alive import AliveServer, probe_members
 from agents.config import AgentConfig
+from agents.heartbeat import Heartbeat
 from agents.inbox import Inbox
 from agents.local_workers import LocalWorkers
 from agents.policy import AgentState, Observation
@@ -55,6 +56,8 @@ class Agent:
         self.inbox = Inbox()
         self.keeper = self._lease_keeper()
         self.reader = RunReader(self.registry, self.inbox)
+        self.heartbeat = Heartbeat(self.registry, config.node_id, config.heartbeat, self.events,
+                                   on_evicted=self.inbox.changed)
         self.state = AgentState()
         self._started = self._last_wait_report = 0.0
 
@@ -76,12 +79,14 @@ class Agent:
                    for name in ("round", "closed", "completing", "alarm")]
         cancels.append(self.kv.on_change(self.registry.key("nodes/"), self.inbox.changed,
                                          deletes_only=True))
+        self.heartbeat.start()
         try:
             while True:
                 code = self._step()
                 if code is not None:
                     return code
         finally:
+            self.heartbeat.stop()
             for cancel in cancels:
                 cancel()
             self.workers.close()
@@ -116,7 +121,9 @@ class Agent:
         if self.inbox.take_fenced():
             self.workers.stop()  # again: the loop may have started workers meanwhile
             self.state = policy.fenced(self.state)
-        return self._carry_out(policy.decide(self.state, self._observe(), self.settings))
+        code = self._carry_out(policy.decide(self.state, self._observe(), self.settings))
+        self.heartbeat.watch(self.state.running)  # a hung peer is evicted in under a second
+        return code
 
     def _carry_out(self, decision: policy.Decision) -> int | None:
         self.state = decision.state
