@@ -12,12 +12,12 @@ round, with no extra hop through the agent, and it is the same watch the loop al
 trusts at every step boundary.
 
 On notice :meth:`RoundNotice.wait` raises :class:`RoundAbandoned`, which the loop
-treats as a failed collective: the round's groups are *abandoned*, not destroyed
-(``process_groups.abandon_groups``; torch 2.13's gloo ``abort()`` returns without
-freeing a thread blocked on a stopped peer, and destroying the group would join
-it), and the step is retried in the new round. A late completion of abandoned work
-writes only into that round's buffers: gradient buckets are rebuilt at every re-form
-and state broadcasts receive into fresh tensors.
+treats as a failed collective: as after any failed collective, the round's groups are
+*abandoned*, not destroyed (``process_groups.abandon_groups``; torch 2.13's gloo
+``abort()`` returns without freeing a thread blocked on a stopped peer, and destroying
+the group would join it), and the step is retried in the new round. A late completion
+of abandoned work writes only into that round's buffers: gradient buckets are rebuilt
+at every re-form and state broadcasts receive into fresh tensors.
 
 A round that only *adds* members (a node admitted) is no notice: our collectives
 will complete, and the loop re-forms at the next step boundary as before.
@@ -67,12 +67,11 @@ class RoundNotice:
         self._cond = threading.Condition()
         self._training: Round | None = None
         self._given = False
-        self._cut_short = False
 
     def train_in(self, round_: Round | None) -> None:
         """Our groups now belong to ``round_`` (None: no round, never a notice)."""
         with self._cond:
-            self._training, self._given, self._cut_short = round_, False, False
+            self._training, self._given = round_, False
 
     def observe(self, newest: Round) -> None:
         """The run's round is now ``newest`` (from the watch)."""
@@ -88,12 +87,6 @@ class RoundNotice:
         with self._cond:
             return self._given
 
-    @property
-    def has_cut_short(self) -> bool:
-        """A wait of this round was cut short: its groups may have work blocked on a peer."""
-        with self._cond:
-            return self._cut_short
-
     def wait(self, future: Future[T]) -> T:
         """The future's value, unless the notice comes first.
 
@@ -107,7 +100,6 @@ class RoundNotice:
             while not future.done() and not self._given:
                 self._cond.wait()
             if not future.done():
-                self._cut_short = True
                 ours = self._training.number if self._training else None
                 raise RoundAbandoned(
                     f"a newer round dropped a member of round {ours}; the ProcessGroup's "

@@ -269,8 +269,8 @@ class _ElasticLoop:
                     self.end_job(exc)
                     raise SystemExit(1) from None  # the job is over; its traceback is out
                 except (RuntimeError, dist.DistError) as exc:
+                    self._release_groups(abandon=True)  # first: on_failure may raise
                     self.on_failure(round_, exc)
-                    self._release_groups()
                 if self.follower is None:
                     raise ElasticError(
                         "a collective failed outside elastic-rt launch; cannot recover")
@@ -500,19 +500,21 @@ class _ElasticLoop:
             logger.warning("last checkpoint not committed: %s", exc)
 
     # helpers ------------------------------------------------------------------------
-    def _release_groups(self) -> None:
+    def _release_groups(self, *, abandon: bool = False) -> None:
         """Destroy this round's groups and drop every reference to them, at once.
 
         A peer blocked receiving from us is only freed when our sockets close, and
         gloo closes them when the last reference to the group goes; a context still
         holding the groups kept a survivor's peers waiting out their full timeout.
-        A round whose wait the abort notice cut short is abandoned instead: its
-        collective may be blocked on a hung peer, and destroying it would wait for that.
+        A round that failed (a collective raised, or the abort notice cut a wait short)
+        is abandoned instead (``abandon``): a collective of ours may still be blocked on
+        a peer, and destroying the groups would wait for it (``abandon_groups``); its
+        peers are freed by the same notice, not by our sockets closing.
         """
         self.ctx = None
         set_context(None)
         self.trainer.release()  # e.g. gradient buckets hold the group
-        if round_notice().has_cut_short:
+        if abandon:
             abandon_groups(self.groups)
         else:
             destroy_groups(self.groups)
