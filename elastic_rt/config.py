@@ -53,6 +53,9 @@ LOG_LEVEL_ENV = "ELASTIC_RT_LOG_LEVEL"
 HANG_FACTOR_ENV = "ELASTIC_RT_HANG_FACTOR"
 HEARTBEAT_INTERVAL_ENV = "ELASTIC_RT_HEARTBEAT_INTERVAL_SEC"
 HEARTBEAT_MISSES_ENV = "ELASTIC_RT_HEARTBEAT_MISSES"
+BACKEND_ENV = "ELASTIC_RT_BACKEND"
+"""``gloo`` or ``nccl``: the backend of a round's groups; unset, NCCL exactly when CUDA is
+present (see :mod:`elastic_rt.accelerator`). Read by workers from the inherited environment."""
 
 # Defaults, each written here once; the CLI, the agent and the workers take them from here.
 DEFAULT_LEASE_TTL = timedelta(seconds=5)
