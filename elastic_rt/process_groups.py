@@ -26,6 +26,7 @@ in NCCL); gloo groups are left to :func:`destroy_groups`.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -186,7 +187,7 @@ def destroy_groups(groups: Groups | None) -> None:
 
 
 _abandoned: list[list[dist.ProcessGroup]] = []
-"""Every group of every abandoned gloo round, kept so that no destructor runs (see below)."""
+"""Every group of every abandoned round, kept so that no destructor runs (see below)."""
 
 
 def abandon_groups(groups: Groups | None) -> None:
@@ -198,14 +199,19 @@ def abandon_groups(groups: Groups | None) -> None:
     (SIGSTOPped) peer, and ``shutdown()`` or the group's destructor would join that
     thread, so the groups are only forgotten: torch's registry is cleared the way
     ``destroy_process_group`` clears it, minus the shutdown, and the group objects are
-    kept here for the life of the process. Their blocked work ends when the peer is
-    stopped or its timeout passes, writing only into that round's buffers. The next
-    :func:`init_groups` then starts afresh (its store prefix is the new round's).
+    kept for the life of the process, and past it: each gets one reference nobody ever
+    drops, or the interpreter's shutdown would run the destructor, which waits for the
+    blocked thread (seen: a finished worker's exit hung until its peer died, then
+    aborted). Their blocked work ends when the peer is stopped or its timeout passes,
+    writing only into that round's buffers. The next :func:`init_groups` then starts
+    afresh (its store prefix is the new round's).
     """
     if not dist.is_initialized():
         return
     abort_groups()
     world = c10d._world
+    for group in world.pg_map:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
     _abandoned.append(list(world.pg_map))
     c10d._update_default_pg(None)
     for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,

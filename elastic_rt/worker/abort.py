@@ -36,6 +36,8 @@ from torch.futures import Future
 from elastic_rt.rendezvous.rounds import Round
 
 T = TypeVar("T")
+_POLL_S = 0.001
+"""How often a wait looks at its future; the notice itself wakes it at once."""
 
 
 class RoundAbandoned(RuntimeError):
@@ -94,21 +96,18 @@ class RoundNotice:
             RoundAbandoned: the notice came before the work completed.
             RuntimeError: the work failed (e.g. a peer's connection closed).
         """
-        # Outside the lock: a completed future runs the callback at once, in this thread.
-        future.add_done_callback(self._wake)
+        # Polled, not called back: an abandoned collective may complete while the
+        # interpreter shuts down (when its hung peer is finally stopped), and a Python
+        # callback then kills the process ("terminate called without an active exception").
         with self._cond:
             while not future.done() and not self._given:
-                self._cond.wait()
+                self._cond.wait(_POLL_S)
             if not future.done():
                 ours = self._training.number if self._training else None
                 raise RoundAbandoned(
                     f"a newer round dropped a member of round {ours}; the ProcessGroup's "
                     "collective was abandoned")
         return future.wait()
-
-    def _wake(self, _future: Future[T]) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
 
 _notice = RoundNotice()
