@@ -20,6 +20,7 @@ import time
 from agents import policy
 from agents.alive import AliveServer, probe_members
 from agents.config import AgentConfig
+from agents.heartbeat import Heartbeat
 from agents.inbox import Inbox
 from agents.local_workers import LocalWorkers
 from agents.policy import AgentState, Observation
@@ -55,6 +56,8 @@ class Agent:
         self.inbox = Inbox()
         self.watch = RunWatch(self.registry, self.inbox)
         self.keeper = self._lease_keeper()
+        self.heartbeat = Heartbeat(self.registry, config.node_id, config.heartbeat, self.events,
+                                   on_evicted=self.inbox.changed)
         self.state = AgentState()
         self._started = self._last_wait_report = 0.0
 
@@ -68,6 +71,7 @@ class Agent:
         """
         self.inbox.leave_on_signals()
         self._started = time.monotonic()
+        self.heartbeat.start()
         try:
             self._join()
             while True:
@@ -75,6 +79,7 @@ class Agent:
                 if code is not None:
                     return code
         finally:
+            self.heartbeat.stop()
             self.watch.close()
             self.workers.close()
             self.keeper.stop(revoke=True)
@@ -108,7 +113,9 @@ class Agent:
         if self.inbox.take_fenced():
             self.workers.stop()  # again: the loop may have started workers meanwhile
             self.state = policy.fenced(self.state)
-        return self._carry_out(policy.decide(self.state, self._observe(), self.settings))
+        code = self._carry_out(policy.decide(self.state, self._observe(), self.settings))
+        self.heartbeat.watch(self.state.running)  # a hung peer is evicted in under a second
+        return code
 
     def _carry_out(self, decision: policy.Decision) -> int | None:
         self.state = decision.state

@@ -14,6 +14,7 @@ from elastic_rt.config import (
     DEFAULT_MAX_RESTARTS,
     DEFAULT_MONITOR_INTERVAL,
     DEFAULT_REFORM_TIMEOUT,
+    HeartbeatConfig,
     RendezvousConfig,
 )
 from elastic_rt.errors import RendezvousTimeoutError
@@ -42,6 +43,8 @@ class AgentConfig:
     """In-process workers that have not joined a new round by then are restarted."""
     hang_factor: float = DEFAULT_HANG_FACTOR
     """Workers report a stall of this many median step times (see elastic_rt.worker.hang)."""
+    heartbeat: HeartbeatConfig = HeartbeatConfig()
+    """How this node watches its ring neighbour (``ELASTIC_RT_HEARTBEAT_*``)."""
     output: OutputSpec = OutputSpec()
     """torchrun's --log-dir, --redirects, --tee, --local-ranks-filter and --role."""
 

@@ -364,6 +364,7 @@ def _launch(args: argparse.Namespace) -> int:
     command = _worker_command(args)
     output = _output(args)
     hang_factor = _hang_factor(args.hang_factor)
+    heartbeat = cfg.HeartbeatConfig.from_env(os.environ)
     if not endpoint and args.etcd_port is not None and not is_port_free(args.etcd_port):
         # Checked here so the fix names launch's flag, not `elastic-rt etcd --port`.
         raise ConfigError(
@@ -393,6 +394,7 @@ def _launch(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             monitor_interval=args.monitor_interval,
             hang_factor=hang_factor,
+            heartbeat=heartbeat,
             grace_period=args.shutdown_timeout,
             host=host,
             events_file=args.events_file,

@@ -26,6 +26,7 @@ EVENT_NAMES = frozenset(
         "node.joined",
         "node.left",
         "node.lost",
+        "node.evicted",
         "node.waiting",
         "round.formed",
         "groups.reformed",

@@ -13,6 +13,7 @@ here too.
 Guarantees: :func:`init_groups` can be called again in the same process after
 :func:`destroy_groups`, any number of times, with another world size and layout.
 :func:`destroy_groups` never raises and never waits on a peer, so it is safe after a peer died.
+:func:`abandon_groups` lets go of a round whose collective may still be blocked on a hung peer.
 
 Does not guarantee: that the groups survive a peer's death; a collective on a broken group
 fails (or times out after ``timeout``) and the caller re-forms.
@@ -28,6 +29,7 @@ in NCCL); gloo groups are left to :func:`destroy_groups`.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +37,7 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -212,6 +215,45 @@ def destroy_groups(groups: Groups | None) -> None:
                        exc_info=True)
     _forget_sharding_cache()
     logger.info("Process groups of %s destroyed", what)
+
+
+_abandoned: list[list[dist.ProcessGroup]] = []
+"""Every group of every abandoned round, kept so that no destructor runs (see below)."""
+
+
+def abandon_groups(groups: Groups | None) -> None:
+    """Let go of this round's groups while a collective may still be blocked in them.
+
+    NCCL communicators are aborted (:func:`abort_groups`), which frees a blocked
+    collective: what NCCL offers for this. gloo (alone, or the CPU half of a mixed group):
+    torch 2.13's ``abort()`` returns without freeing a thread blocked on a hung
+    (SIGSTOPped) peer, and ``shutdown()`` or the group's destructor would join that
+    thread, so the groups are only forgotten: torch's registry is cleared the way
+    ``destroy_process_group`` clears it, minus the shutdown, and the group objects are
+    kept for the life of the process, and past it: each gets one reference nobody ever
+    drops, or the interpreter's shutdown would run the destructor, which waits for the
+    blocked thread (seen: a finished worker's exit hung until its peer died, then
+    aborted). Their blocked work ends when the peer is stopped or its timeout passes,
+    writing only into that round's buffers. The next :func:`init_groups` then starts
+    afresh (its store prefix is the new round's).
+    """
+    if not dist.is_initialized():
+        return
+    abort_groups()
+    world = c10d._world
+    for group in world.pg_map:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    _abandoned.append(list(world.pg_map))
+    c10d._update_default_pg(None)
+    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                     world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):
+        registry.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+    _forget_sharding_cache()
+    what = f"layout {groups.layout}" if groups is not None else "an unfinished round"
+    logger.info("Process groups of %s abandoned (a collective may be blocked on a hung peer)",
+                what)
 
 
 def abort_groups() -> int:

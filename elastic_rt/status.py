@@ -33,7 +33,7 @@ from elastic_rt.root_cause import RootCause
 logger = logging.getLogger(__name__)
 
 ROOT = "/elastic_rt/"
-NOTABLE = ("node.joined", "node.lost", "node.left", "round.formed", "worker.failed",
+NOTABLE = ("node.joined", "node.lost", "node.evicted", "node.left", "round.formed", "worker.failed",
            "agent.fenced", "checkpoint.committed", "job.finished", "agent.exited")  # fmt: skip
 
 
@@ -249,6 +249,8 @@ def _detail(event: Event) -> str:
     m = event.metadata
     if event.name == "node.lost":
         return f"lost {m.get('lost')}"
+    if event.name == "node.evicted":
+        return f"{m.get('evicted')} {m.get('liveness')} for {m.get('silent_ms')} ms"
     if event.name == "round.formed":
         return f"world {m.get('world_size')}, {m.get('reason', '')}"
     if event.name == "worker.failed":

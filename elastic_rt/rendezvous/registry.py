@@ -117,6 +117,11 @@ class RunRegistry:
             nodes[info.node_id] = info
         return nodes
 
+    def node(self, node_id: str) -> NodeInfo | None:
+        """One node's registration (one key read), None when it is not registered."""
+        item = self.kv.get(self.key(f"nodes/{node_id}"))
+        return node_from(item) if item is not None else None
+
     def evict(self, info: NodeInfo) -> None:
         """Revoke a dead node's lease so its key (and anything else on it) goes now."""
         self.kv.revoke_lease(info.lease)

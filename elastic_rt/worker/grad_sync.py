@@ -29,28 +29,36 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-CommHook = Callable[[dist.ProcessGroup, torch.Tensor], Future[torch.Tensor]]
-"""Reduces one bucket over the group to its sum; returns a future of the result, which
-may be the bucket itself (reduced in place) or a new tensor of its shape and dtype."""
+from elastic_rt.worker import abort
+
+CommHook = Callable[[dist.ProcessGroup, torch.Tensor], Future[Any]]
+"""Reduces one bucket over the group to its sum; returns a future of the result: the
+bucket itself (reduced in place), a tensor of its shape (any float dtype, copied into the
+bucket), or a collective's own future (a list holding one of these).
+
+Prefer returning the collective's own future to chaining a Python ``then``: a round
+abandoned on notice (``worker/abort.py``) may complete its collectives while the
+interpreter shuts down, and a Python callback then kills the process."""
 
 
-def allreduce_sum(group: dist.ProcessGroup, bucket: torch.Tensor) -> Future[torch.Tensor]:
+def allreduce_sum(group: dist.ProcessGroup, bucket: torch.Tensor) -> Future[Any]:
     """The default hook: one all-reduce, in place."""
     work = dist.all_reduce(bucket, group=group, async_op=True)
     assert work is not None  # async_op=True always returns a Work
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return work.get_future()
 
 
-def bf16_compress(group: dist.ProcessGroup, bucket: torch.Tensor) -> Future[torch.Tensor]:
-    """Halve the bytes on the wire: reduce a bfloat16 copy, then widen it back."""
-    compressed = bucket.to(torch.bfloat16)
-    work = dist.all_reduce(compressed, group=group, async_op=True)
+def bf16_compress(group: dist.ProcessGroup, bucket: torch.Tensor) -> Future[Any]:
+    """Halve the bytes on the wire: reduce a bfloat16 copy (widened back into the bucket)."""
+    work = dist.all_reduce(bucket.to(torch.bfloat16), group=group, async_op=True)
     assert work is not None
-    return work.get_future().then(lambda fut: bucket.copy_(fut.value()[0]))
+    return work.get_future()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,7 +105,7 @@ class GradientBuckets:
         self.buckets = _make_buckets(params[::-1], options)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self._futures: list[Future[torch.Tensor]] = []
+        self._futures: list[Future[Any]] = []
         self._next = 0
         self._is_last_backward = False
         for bucket in self.buckets:
@@ -129,12 +137,15 @@ class GradientBuckets:
 
         Raises:
             RuntimeError: a collective failed (a peer is gone).
+            RoundAbandoned: a newer round dropped a peer while we waited (``abort``).
         """
         try:
             if self.is_active:
                 self._launch_ready(until=len(self.buckets))
                 for bucket, future in zip(self.buckets, self._futures):
-                    result = future.wait()
+                    result = abort.wait(future)
+                    if isinstance(result, list):  # a collective's own future
+                        result = result[0]
                     if result is not bucket.buffer:
                         bucket.buffer.copy_(result)
         finally:

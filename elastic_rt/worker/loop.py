@@ -86,11 +86,12 @@ from elastic_rt.events import EventSink
 from elastic_rt.layout import ModelLimits, plan_layout
 from elastic_rt.worker.membership import RoundFollower
 from elastic_rt.worker.store import NewerRound, join_round_store, wait_for_ranks
-from elastic_rt.process_groups import Groups, destroy_groups, init_groups
+from elastic_rt.process_groups import Groups, abandon_groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.root_cause import write_error_file
 from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.abort import round_notice
 from elastic_rt.worker.allocator import HeapTrimmer, pin_mmap_threshold
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import user_code
@@ -235,7 +236,10 @@ class _ElasticLoop:
         use_worker_device(self.env.local_rank)  # cuda:LOCAL_RANK is current before build runs
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
-        self.follower = RoundFollower(self.env) if self.env.is_elastic else None
+        # The follower's watch is the abort notice too: a newer round that drops a peer
+        # cuts short any collective we wait on (worker/abort.py).
+        self.follower = (RoundFollower(self.env, on_round=round_notice().observe)
+                         if self.env.is_elastic else None)
         if self.follower is not None:
             # Building an optimizer imports torch._dynamo (1.5 s and more); do it before we
             # tell the agent we are ready, so that no round waits on it.
@@ -283,8 +287,8 @@ class _ElasticLoop:
                     self.end_job(exc)
                     raise SystemExit(1) from None  # the job is over; its traceback is out
                 except (RuntimeError, dist.DistError) as exc:
+                    self._release_groups(abandon=True)  # first: on_failure may raise
                     self.on_failure(round_, exc)
-                    self._release_groups()
                 if self.follower is None:
                     raise ElasticError(
                         "a collective failed outside elastic-rt launch; cannot recover")
@@ -348,6 +352,7 @@ class _ElasticLoop:
         prefix = f"/elastic_rt/{self.env.run_id}/round-{number}/"
         wait_for_ranks(self.store, prefix, world_size=world, timeout=self.reform_timeout,
                        newer_round=newer)
+        round_notice().train_in(round_)
         self.groups = init_groups(self.store, rank=rank, world_size=world, layout=layout,
                                   prefix=prefix, timeout=self.collective_timeout,
                                   join_timeout=max(self.collective_timeout, self.reform_timeout))
@@ -436,7 +441,9 @@ class _ElasticLoop:
         assert self.groups is not None
         total = torch.tensor([contribution], dtype=torch.float64)
         if dist.get_world_size(self.groups.dp) > 1:
-            dist.all_reduce(total, group=self.groups.dp)
+            work = dist.all_reduce(total, group=self.groups.dp, async_op=True)
+            assert work is not None  # async_op=True always returns a Work
+            round_notice().wait(work.get_future())
         return float(total)
 
     def _set_step(self, step: int) -> None:
@@ -512,17 +519,24 @@ class _ElasticLoop:
             logger.warning("last checkpoint not committed: %s", exc)
 
     # helpers ------------------------------------------------------------------------
-    def _release_groups(self) -> None:
+    def _release_groups(self, *, abandon: bool = False) -> None:
         """Destroy this round's groups and drop every reference to them, at once.
 
         A peer blocked receiving from us is only freed when our sockets close, and
         gloo closes them when the last reference to the group goes; a context still
         holding the groups kept a survivor's peers waiting out their full timeout.
+        A round that failed (a collective raised, or the abort notice cut a wait short)
+        is abandoned instead (``abandon``): a collective of ours may still be blocked on
+        a peer, and destroying the groups would wait for it (``abandon_groups``); its
+        peers are freed by the same notice, not by our sockets closing.
         """
         self.ctx = None
         set_context(None)
         self.trainer.release()  # e.g. gradient buckets hold the group
-        destroy_groups(self.groups)
+        if abandon:
+            abandon_groups(self.groups)
+        else:
+            destroy_groups(self.groups)
         self.groups = None
 
     def _place(self, round_: Round | None) -> tuple[int, int, int, int]:
@@ -556,14 +570,16 @@ class _ElasticLoop:
 
 
 def _collective_timeout(env: WorkerEnv) -> timedelta:
-    """How long a training collective may wait for a peer: the lease TTL.
+    """How long a training collective may wait for a peer: the lease TTL by default.
 
-    A hung peer keeps its sockets open, so only a timeout frees the survivors; by
-    then its lease (last renewed before it hung, so expiring at most a TTL after)
-    has expired and the agents form the next round; a survivor that times out a
-    moment early simply waits for that round. A merely slow peer costs a re-form round, not the
-    job: the agents find every node answering and re-form the same members.
-    Joining a round has its own, longer timeout (a new node may still be starting).
-    Override with ``ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC``.
+    A hung peer keeps its sockets open. The agents' heartbeats evict it in under a
+    second and the new round's notice frees the runtime's own collectives (gradient
+    averaging, state broadcast: ``worker/abort.py``), whatever this timeout; it is the
+    last resort for collectives outside them (an object owning its step on gloo). By
+    the time it passes, the peer's lease (renewed last before it hung) has expired too.
+    A merely slow peer costs a re-form round, not the job: the agents find every node
+    answering and re-form the same members. Joining a round has its own, longer
+    timeout (a new node may still be starting). Override with
+    ``ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC`` (600, as NCCL users set it, is tested).
     """
     return env.collective_timeout or env.lease_ttl

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
+from typing import Callable
 
 from elastic_rt.acks import write_ack
 from elastic_rt.config import WorkerEnv
@@ -30,10 +31,13 @@ class RoundFollower:
 
     Args:
         env: the worker's environment as set by the agent.
+        on_round: called from the watch thread with each round read after a change
+            (the loop's abort notice, ``worker/abort.py``); must not block.
     """
 
-    def __init__(self, env: WorkerEnv) -> None:
+    def __init__(self, env: WorkerEnv, on_round: Callable[[Round], None] | None = None) -> None:
         self.env = env
+        self._on_round = on_round
         self.kv = EtcdKV(env.endpoint, auth=env.auth)
         self.registry = RunRegistry(self.kv, env.run_id)
         self._changed = threading.Event()
@@ -49,6 +53,8 @@ class RoundFollower:
         if current is not None:
             with self._lock:
                 self._newest = max(self._newest, current.number)
+            if self._on_round is not None:
+                self._on_round(current)
         self._changed.set()
 
     def has_newer_round(self, than: int) -> bool:

@@ -8,16 +8,22 @@ step only completes once its gradient all-reduce has seen every rank's share.
 
 The structure (keys, shapes, dtypes, plain values such as param_groups) travels
 as one small object broadcast; the tensors travel as one flat buffer per dtype,
-so a model of many small tensors costs a few collectives, not thousands.
+so a model of many small tensors costs a few collectives, not thousands. The tensor
+collectives are waited on through the round's abort notice (``worker/abort.py``) and
+receive into fresh buffers, so one abandoned by a newer round writes into nothing the
+next round reads.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from elastic_rt.worker import abort
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +37,8 @@ def pick_source(step: int, group: dist.ProcessGroup) -> tuple[int, int]:
     """(source rank in ``group``, its step); ``step`` is -1 on ranks with no state."""
     world = dist.get_world_size(group)
     steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(steps, torch.tensor([step], dtype=torch.int64), group=group)
+    _wait(dist.all_gather(steps, torch.tensor([step], dtype=torch.int64), group=group,
+                          async_op=True))
     values = [int(s.item()) for s in steps]
     best = max(values)
     return values.index(best), best
@@ -46,13 +53,28 @@ def broadcast_state(state: Any, src: int, group: dist.ProcessGroup) -> Any:
     is_source = dist.get_rank(group) == src
     tensors: list[torch.Tensor] = []
     skeleton = _strip(state, tensors) if is_source else None
-    box = [skeleton]
-    dist.broadcast_object_list(box, group_src=src, group=group)
-    skeleton = box[0]
+    skeleton = _broadcast_object(skeleton, src, group)
     slots: list[_TensorSlot] = []
     _collect_slots(skeleton, slots)
     received = _broadcast_tensors(tensors if is_source else None, slots, src, group)
     return _fill(skeleton, received)
+
+
+def _broadcast_object(value: Any, src: int, group: dist.ProcessGroup) -> Any:
+    """``broadcast_object_list`` for one object, but waited on through the abort notice
+    (torch's is a blocking call). Peers of one job trust each other, as torch's does."""
+    data = (torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+            if dist.get_rank(group) == src else None)
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+    _wait(dist.broadcast(size, group_src=src, group=group, async_op=True))
+    buffer = data if data is not None else torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(dist.broadcast(buffer, group_src=src, group=group, async_op=True))
+    return value if data is not None else pickle.loads(buffer.numpy().tobytes())
+
+
+def _wait(work: dist.Work | None) -> None:
+    assert work is not None  # async_op=True always returns a Work
+    abort.wait(work.get_future())
 
 
 def _strip(value: Any, out: list[torch.Tensor]) -> Any:
@@ -90,7 +112,7 @@ def _broadcast_tensors(
             flat = torch.cat([tensors[s.index].reshape(-1) for s in group_slots])
         else:
             flat = torch.empty(sum(sizes), dtype=dtype)
-        dist.broadcast(flat, group_src=src, group=group)
+        _wait(dist.broadcast(flat, group_src=src, group=group, async_op=True))
         for slot, piece in zip(group_slots, torch.split(flat, sizes)):
             result[slot.index] = piece.view(slot.shape).clone()
     return result

@@ -68,6 +68,16 @@ def test_a_step_others_completed_too_is_a_late_log_not_a_stale_write() -> None:
     assert stale_writes([_done("a", 1, 4), late], "c", current=2, since_ms=100) == []
 
 
+def test_a_step_the_others_abandoned_on_notice_is_a_late_completion_not_a_stale_write() -> None:
+    abandoned = Event("step.retried", "worker", 50, node="a", round=1, step=4,
+                      metadata={"error": "RoundAbandoned", "attempt": 1})
+    late = _done("c", 1, 4, at_ms=150)
+    assert stale_writes([abandoned, late], "c", current=2, since_ms=100) == []
+    failed = Event("step.retried", "worker", 50, node="a", round=1, step=4,
+                   metadata={"error": "RuntimeError", "attempt": 1})
+    assert stale_writes([failed, late], "c", current=2, since_ms=100) == [late]
+
+
 def test_writes_before_waking_or_in_the_current_round_are_not_stale() -> None:
     log = [_done("c", 1, 3, at_ms=50), _done("c", 2, 6, at_ms=200)]
     assert stale_writes(log, "c", current=2, since_ms=100) == []

@@ -85,10 +85,15 @@ def stale_writes(events: list[Event], victim: str, current: int, since_ms: int) 
 
     A checkpoint commit is always stale. A step completed in an old round is stale
     only when no other node completed it in that round: a step whose collective
-    finished just before the pause is logged late, not trained on alone.
+    finished just before the pause is logged late, not trained on alone. Nor is one
+    whose collective the others abandoned when the victim was evicted (``step.retried``
+    with ``RoundAbandoned``, see ``worker/abort.py``): their abandoned work still holds
+    that step's contributions, so the victim's late completion sums every rank's share,
+    and it can commit nothing (the round's token is stale).
     """
-    done_by_others = {(e.round, e.step) for e in events
-                      if e.name == "step.completed" and e.node != victim}
+    done_by_others = {(e.round, e.step) for e in events if e.node != victim and (
+        e.name == "step.completed"
+        or (e.name == "step.retried" and e.metadata.get("error") == "RoundAbandoned"))}
     return [e for e in events
             if e.node == victim and e.source == "worker" and e.timestamp_ms > since_ms
             and e.round is not None and e.round < current

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from elastic_rt.config import HeartbeatConfig
 from elastic_rt.harness.chaos import netns
 from elastic_rt.harness.chaos.audit import stale_writes
 from elastic_rt.harness.chaos.trial import Job, Trial
@@ -117,14 +118,20 @@ def sigkill_worker(trial: Trial, rng: random.Random) -> None:
 
 
 def sigstop_node(trial: Trial, rng: random.Random) -> None:
-    """SIGSTOP a node past its lease TTL, then SIGCONT: it fences itself and rejoins."""
+    """SIGSTOP a node until it is declared dead, then SIGCONT: it fences itself and rejoins.
+
+    Its peers declare it dead when its heartbeats stop for their window (0.4 s by
+    default), or, with heartbeats off, when its lease TTL runs out.
+    """
     job = trial.job()
     job.start()
     at, victim = _moment(trial, rng, high=0.4), rng.choice("abc")
     if not job.wait_step(at):
         return
     pids = job.tree(victim)
-    pause = trial.cfg.lease_ttl + rng.uniform(1.0, 3.0)
+    heartbeat = HeartbeatConfig.from_env()
+    declared_dead = heartbeat.window_s if heartbeat.interval_s > 0 else trial.cfg.lease_ttl
+    pause = declared_dead + rng.uniform(0.5, 1.5)
     trial.note(f"SIGSTOP {victim} {pids} at step {job.step()} for {pause:.1f} s")
     job.signal_node(victim, signal.SIGSTOP)
     time.sleep(pause)
@@ -139,11 +146,15 @@ def _check_fenced_and_rejoined(trial: Trial, job: Job, victim: str, round_at_res
     fenced = job.wait_for(lambda: any(e.name == "agent.fenced" and e.node == victim
                                       for e in job.events()), 30, f"{victim} fenced")
     trial.check(fenced, f"{victim} fenced itself (agent.fenced)")
-    rejoined = job.wait_for(
-        lambda: any(e.name == "round.formed" and victim in e.metadata.get("members", ())
-                    and (e.round or 0) > round_at_resume for e in job.events()),
-        60, f"{victim} back in a round")
-    trial.check(rejoined, f"{victim} rejoined a later round")
+    if any(e.name == "job.finished" and e.timestamp_ms < resumed_ms for e in job.events()):
+        # the survivors recovered and finished while it was out: there is nothing to rejoin
+        trial.check(True, f"{victim} had no round to rejoin: the job finished while it was out")
+    else:
+        rejoined = job.wait_for(
+            lambda: any(e.name == "round.formed" and victim in e.metadata.get("members", ())
+                        and (e.round or 0) > round_at_resume for e in job.events()),
+            60, f"{victim} back in a round")
+        trial.check(rejoined, f"{victim} rejoined a later round")
     job.wait_done(trial.cfg.trial_timeout)
     stale = stale_writes(job.events(), victim, round_at_resume, resumed_ms)
     trial.check(not stale, f"{victim} wrote nothing for an old round ({len(stale)} stale writes)")

@@ -1,0 +1,123 @@
+"""Abort on notice: a wait on a collective that a newer round cuts short.
+
+NCCL does not fail a collective whose peer died or hung: it blocks until the
+collective timeout (users report survivors sitting in NCCL for 30 minutes), and gloo
+does the same for a hung (SIGSTOPped) peer, whose sockets stay open. So the runtime
+never blocks inside the backend: every collective the loop waits on is issued with
+``async_op=True`` and waited on here, where the wait ends either when the work
+completes or when the notice arrives that a round newer than ours dropped one of its
+members. The notice comes from the worker's own etcd watch on the run's round key
+(``worker/membership.py``): it fires within milliseconds of the agents writing the
+round, with no extra hop through the agent, and it is the same watch the loop already
+trusts at every step boundary.
+
+On notice :meth:`RoundNotice.wait` raises :class:`RoundAbandoned`, which the loop
+treats as a failed collective: as after any failed collective, the round's groups are
+*abandoned*, not destroyed (``process_groups.abandon_groups``; torch 2.13's gloo
+``abort()`` returns without freeing a thread blocked on a stopped peer, and destroying
+the group would join it), and the step is retried in the new round. A late completion
+of abandoned work writes only into that round's buffers: gradient buckets are rebuilt
+at every re-form and state broadcasts receive into fresh tensors.
+
+A round that only *adds* members (a node admitted) is no notice: our collectives
+will complete, and the loop re-forms at the next step boundary as before.
+
+The notice is process-wide, like the process groups it guards (one elastic loop per
+process). Outside the loop it is never given, and a wait is a plain wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TypeVar
+
+from torch.futures import Future
+
+from elastic_rt.rendezvous.rounds import Round
+
+T = TypeVar("T")
+_POLL_S = 0.001
+"""How often a wait looks at its future; the notice itself wakes it at once."""
+
+
+class RoundAbandoned(RuntimeError):
+    """A newer round dropped a member of ours while we waited on a collective.
+
+    Retryable: the loop re-forms in the newer round and retries the step.
+    """
+
+
+def drops_a_member(ours: Round, newer: Round) -> bool:
+    """Whether ``newer`` lacks a member of ``ours`` or gives one fewer ranks.
+
+    Pure. A round with the same members (a restart round after a failure) counts as
+    dropping: something failed, and a collective may wait on it.
+    """
+    theirs = dict(zip(newer.members, newer.nprocs))
+    kept = all(theirs.get(m) == n for m, n in zip(ours.members, ours.nprocs))
+    return not (kept and len(theirs) > len(ours.members))
+
+
+class RoundNotice:
+    """Whether the round our groups belong to is over; waits that end on either.
+
+    Thread-safe: :meth:`observe` is called from the etcd watch thread, work futures
+    complete on the backend's threads, and :meth:`wait` runs on the training thread.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._training: Round | None = None
+        self._given = False
+
+    def train_in(self, round_: Round | None) -> None:
+        """Our groups now belong to ``round_`` (None: no round, never a notice)."""
+        with self._cond:
+            self._training, self._given = round_, False
+
+    def observe(self, newest: Round) -> None:
+        """The run's round is now ``newest`` (from the watch)."""
+        with self._cond:
+            ours = self._training
+            if ours is None or newest.number <= ours.number or not drops_a_member(ours, newest):
+                return
+            self._given = True
+            self._cond.notify_all()
+
+    @property
+    def is_given(self) -> bool:
+        with self._cond:
+            return self._given
+
+    def wait(self, future: Future[T]) -> T:
+        """The future's value, unless the notice comes first.
+
+        Raises:
+            RoundAbandoned: the notice came before the work completed.
+            RuntimeError: the work failed (e.g. a peer's connection closed).
+        """
+        # Polled, not called back: an abandoned collective may complete while the
+        # interpreter shuts down (when its hung peer is finally stopped), and a Python
+        # callback then kills the process ("terminate called without an active exception").
+        with self._cond:
+            while not future.done() and not self._given:
+                self._cond.wait(_POLL_S)
+            if not future.done():
+                ours = self._training.number if self._training else None
+                raise RoundAbandoned(
+                    f"a newer round dropped a member of round {ours}; the ProcessGroup's "
+                    "collective was abandoned")
+        return future.wait()
+
+
+_notice = RoundNotice()
+
+
+def round_notice() -> RoundNotice:
+    """The process's notice (the loop feeds it; collectives wait through it)."""
+    return _notice
+
+
+def wait(future: Future[T]) -> T:
+    """Wait on a collective's future through the process's notice; see :meth:`RoundNotice.wait`."""
+    return _notice.wait(future)

@@ -1,0 +1,65 @@
+"""Abort on notice: a wait on a collective ends when a newer round drops a member."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch.futures import Future
+
+from elastic_rt.rendezvous.rounds import Round
+from elastic_rt.worker.abort import RoundAbandoned, RoundNotice, drops_a_member
+
+
+def _round(number: int, *members: str, nprocs: tuple[int, ...] | None = None) -> Round:
+    return Round(number=number, members=members, nprocs=nprocs or (1,) * len(members),
+                 hosts=("127.0.0.1",) * len(members))
+
+
+@pytest.mark.parametrize("newer, drops", [
+    (_round(2, "a", "b"), True),                        # c lost
+    (_round(2, "a", "b", "c"), True),                   # same members: something failed
+    (_round(2, "a", "b", "c", nprocs=(1, 1, 0)), True),  # c gives fewer ranks
+    (_round(2, "a", "b", "c", "d"), False),             # d admitted: our collectives complete
+])
+def test_only_a_round_that_drops_a_rank_of_ours_is_a_notice(newer: Round, drops: bool) -> None:
+    assert drops_a_member(_round(1, "a", "b", "c"), newer) is drops
+
+
+def test_a_completed_collective_returns_its_value() -> None:
+    notice = RoundNotice()
+    notice.train_in(_round(1, "a", "b"))
+    future: Future[torch.Tensor] = Future()
+    future.set_result(torch.ones(2))
+    assert notice.wait(future).tolist() == [1.0, 1.0]
+
+
+def test_a_failed_collective_raises_its_error() -> None:
+    notice = RoundNotice()
+    future: Future[torch.Tensor] = Future()
+    future.set_exception(RuntimeError("Connection closed by peer"))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        notice.wait(future)
+
+
+def test_a_newer_round_without_a_member_cuts_a_blocked_wait_short() -> None:
+    notice = RoundNotice()
+    notice.train_in(_round(1, "a", "b", "c"))
+    never: Future[torch.Tensor] = Future()  # a collective blocked on a hung peer
+    watch = threading.Timer(0.05, notice.observe, args=(_round(2, "a", "b"),))
+    watch.start()
+    with pytest.raises(RoundAbandoned):
+        notice.wait(never)
+    watch.join()
+    assert notice.is_given
+    notice.train_in(_round(2, "a", "b"))  # the next round starts with no notice
+    assert not notice.is_given
+
+
+def test_a_round_that_only_grows_is_no_notice() -> None:
+    notice = RoundNotice()
+    notice.train_in(_round(1, "a", "b"))
+    notice.observe(_round(2, "a", "b", "c"))
+    notice.observe(_round(1, "a"))  # older than ours: not news
+    assert not notice.is_given
