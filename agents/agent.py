@@ -94,7 +94,10 @@ class Agent:
             snapshot = self.registry.snapshot()
             if policy.is_stale_run(snapshot):
                 self.kv.delete_prefix(self.registry.prefix)
-            standby = policy.joins_in_standby(snapshot, self.info.node_id)
+            standby = policy.joins_in_standby(snapshot)
+            stale = policy.stale_registration(snapshot, self.info.node_id)
+            if standby and stale is not None:
+                self.registry.evict(stale)  # our workers died with our last run here
             if not standby:
                 self.keeper.start()
             self.registry.publish_max_restarts(self.config.max_restarts)
@@ -153,6 +156,11 @@ class Agent:
                                               reform_timeout=self.config.reform_timeout)
         elif isinstance(action, policy.StopWorkers):
             self._stop_workers(action.why)
+        elif isinstance(action, policy.RejoinInStandby):
+            self._revoke_lost_lease()
+            self._start_in_standby(action.round, restart=True)
+        elif isinstance(action, policy.Register):
+            self._register_again()
         elif isinstance(action, policy.HandleFailure):
             return self._workers_failed(action)
         elif isinstance(action, policy.Succeed):
@@ -246,6 +254,7 @@ class Agent:
                                     sleep=self.inbox.sleep)
         self.keeper = self._lease_keeper()
         self.keeper.start()
+        self.state = policy.registered(self.state)
         if self.workers.in_process():
             # Belong to no round yet: the round that admits us (even the current one, if it
             # still lists us) then starts through FollowRound and gets its store published.
@@ -259,8 +268,31 @@ class Agent:
 
     # fencing, leaving, closing -----------------------------------------------------
     def _lease_keeper(self) -> LeaseKeeper:
+        # After a fence the loop registers again (see policy.RejoinInStandby), not the keeper.
         return LeaseKeeper(self.registry, self.info, self.config.rendezvous.lease_ttl,
-                           on_fenced=self._fence)
+                           on_fenced=self._fence, rejoin=False)
+
+    def _revoke_lost_lease(self) -> None:
+        """After a fence the old lease may still run for a moment: end it, so the survivors
+        re-form without this node now rather than when it expires."""
+        if self.keeper.lease_id is None:
+            return
+        try:
+            self.kv.revoke_lease(self.keeper.lease_id)
+        except StoreError as exc:
+            logger.debug("revoking the fenced lease failed: %s", exc)
+
+    def _register_again(self) -> None:
+        """Back from a fence in restart mode: register on a new lease (etcd answers again)."""
+        keeper = self._lease_keeper()
+        try:
+            keeper.start()
+        except StoreError as exc:
+            logger.warning("registering again failed (%s); retrying", exc)
+            self.inbox.sleep(self.settings.retry_after.total_seconds())
+            return
+        self.keeper = keeper
+        self.state = policy.registered(self.state)
 
     def _fence(self, why: str) -> None:
         """Called from the lease thread: stop training before others declare us dead.

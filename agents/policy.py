@@ -29,7 +29,14 @@ from elastic_rt.config import (
     DEFAULT_REFORM_TIMEOUT,
 )
 from elastic_rt.rendezvous import rounds
-from elastic_rt.rendezvous.rounds import Limits, Propose, Round, Snapshot, restart_round
+from elastic_rt.rendezvous.rounds import (
+    Limits,
+    NodeInfo,
+    Propose,
+    Round,
+    Snapshot,
+    restart_round,
+)
 from elastic_rt.root_cause import RootCause
 
 
@@ -93,7 +100,8 @@ class Phase(enum.Enum):
     ``state.round`` is the round they will join, numbered -1 (they are in none)."""
     FENCED = "fenced"
     """The lease was lost and the workers stopped; ``state.round`` is the round the
-    node was cut from (None if it had none)."""
+    node was cut from (None if it had none). Until ``state.registered`` the node is
+    not registered again (see :class:`RejoinInStandby`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +120,8 @@ class AgentState:
     alarm_seen: int = 0
     """Revision of the last worker alarm answered."""
     in_process_published: bool = False
+    registered: bool = True
+    """False from a fence until the node registers on a new lease."""
 
     @property
     def running(self) -> Round | None:
@@ -160,8 +170,14 @@ def stopped(state: AgentState) -> AgentState:
 def fenced(state: AgentState) -> AgentState:
     """The lease thread stopped the workers: remember the round to rejoin."""
     if state.phase is Phase.FENCED:
-        return state  # fenced again before rejoining: still the same round to rejoin
-    return dataclasses.replace(state, phase=Phase.FENCED, round=state.running)
+        # fenced again before rejoining: still the same round to rejoin
+        return dataclasses.replace(state, registered=False)
+    return dataclasses.replace(state, phase=Phase.FENCED, round=state.running, registered=False)
+
+
+def registered(state: AgentState) -> AgentState:
+    """A fenced node registered on a new lease; its workers start with the next round."""
+    return dataclasses.replace(state, registered=True)
 
 
 # observations and settings ------------------------------------------------------------
@@ -248,6 +264,26 @@ class FollowRound:
 
 
 @dataclass(frozen=True, slots=True)
+class RejoinInStandby:
+    """Back from a fence in a job that recovers in place: come back like a new node.
+
+    What is left of the old lease is revoked (the survivors re-form without us at once,
+    if they have not yet), the workers start in standby, and the node registers only
+    once they are imported. Registering first would get us admitted while our workers
+    still import torch, and every survivor would wait for them (3.6-4.3 s measured).
+    """
+
+    round: Round
+    """The run's current round, whose workers ours will join once admitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """Back from a fence in restart mode: register on a new lease; the next round that
+    lists us starts our workers."""
+
+
+@dataclass(frozen=True, slots=True)
 class StopWorkers:
     why: str
 
@@ -310,7 +346,8 @@ class Sleep:
 
 
 Action = (ProposeRound | StartWorkers | FollowRound | StopWorkers | HandleFailure | Succeed
-          | AnswerAlarm | PublishInProcess | CloseRun | Exit | JoinTimedOut | Sleep)
+          | AnswerAlarm | PublishInProcess | CloseRun | Exit | JoinTimedOut | Sleep
+          | RejoinInStandby | Register)
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +389,11 @@ def decide(state: AgentState, obs: Observation, settings: Settings) -> Decision:
                            quorum_since=state.quorum_since, now_ms=obs.now_ms)
     if isinstance(action, rounds.Closed):
         return Decision(state, (Exit(closed_outcome(action.reason)),), action)
+    if state.phase is Phase.FENCED and not state.registered:
+        rejoin: Action = (RejoinInStandby(snapshot.round)
+                          if snapshot.round is not None and joins_in_standby(snapshot)
+                          else Register())
+        return Decision(state, (rejoin,), action)
     if isinstance(action, rounds.Propose):
         return Decision(state, (ProposeRound(action, replaced=snapshot.round),), action)
     if isinstance(action, rounds.Wait):
@@ -448,15 +490,22 @@ def is_stale_run(snapshot: Snapshot) -> bool:
             and not snapshot.nodes)
 
 
-def joins_in_standby(snapshot: Snapshot, me: str) -> bool:
-    """Growing a job that recovers in place: start the workers before registering.
+def joins_in_standby(snapshot: Snapshot) -> bool:
+    """(Re)joining a job that recovers in place: start the workers before registering.
 
     Admitting us before our workers have imported torch would make every survivor
-    wait for them.
+    wait for them. This holds for a new node, for one back from a fence
+    (:class:`RejoinInStandby`) and for one that restarted (the round may still list
+    it, and hold its old registration: see :func:`stale_registration`).
     """
     return (snapshot.in_process and snapshot.round is not None
-            and not (snapshot.closed or snapshot.completing)
-            and me not in snapshot.round.members)  # fmt: skip
+            and not (snapshot.closed or snapshot.completing))
+
+
+def stale_registration(snapshot: Snapshot, me: str) -> NodeInfo | None:
+    """Our registration from before a restart, still on its old lease: revoke it, so the
+    survivors re-form without our lost workers now, not when the lease runs out."""
+    return snapshot.nodes.get(me) if snapshot.nodes_known else None
 
 
 class AlarmVerdict(enum.Enum):

@@ -33,6 +33,9 @@ class LeaseKeeper:
         on_fenced: called from the keeper thread when renewal has failed for
             ``ttl - margin`` seconds, or the lease was found expired.
         on_registered: called after each (re-)registration with the new lease id.
+        rejoin: register afresh by itself once the store answers after a fence; False:
+            stop at the fence, and the owner registers again when it is ready (an agent
+            whose workers must start first, see ``agents.policy.RejoinInStandby``).
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class LeaseKeeper:
         *,
         on_fenced: Callable[[str], None],
         on_registered: Callable[[int], None] | None = None,
+        rejoin: bool = True,
     ) -> None:
         self.registry = registry
         self.info = info
@@ -50,6 +54,7 @@ class LeaseKeeper:
         self.margin = min(1.0, self.ttl / 3)
         self.on_fenced = on_fenced
         self.on_registered = on_registered
+        self.rejoin = rejoin
         self.lease_id: int | None = None
         self.is_fenced = False
         self._stop = threading.Event()
@@ -93,6 +98,8 @@ class LeaseKeeper:
 
     def _fence(self, why: str) -> None:
         self.is_fenced = True
+        if not self.rejoin:
+            self._stop.set()  # the owner registers on a new keeper when it is ready
         logger.warning("node %s fenced itself: %s", self.info.node_id, why)
         self.on_fenced(why)
 

@@ -32,10 +32,16 @@ inproc-join        no fault: only a and b start, and node c is started at
                    ``--kill-step``; the job grows to 3 (elastic-rt in-process)
 restart-join       the same in restart mode (``torchrun_ddp.py``): every worker
                    restarts from the last checkpoint, as torchrun does on a join
+inproc-fence       node c is SIGSTOPped until its lease expires and the others
+                   train on without it, then SIGCONTed: it finds itself fenced
+                   and comes back (the fault's time is the SIGCONT)
+inproc-worker-min  ``--nnodes 3:3``: the job is at its minimum node count, so
+                   node c cannot step out; SIGKILL of its worker process group
 =================  ==========================================================
 
-For the join cases "recovery" is the time from starting node c to the first step
-at world size 3, and the figure that matters is the survivors' **longest pause**:
+For the join cases and inproc-fence "recovery" is the time from starting (or
+continuing) node c to the first step at world size 3, and the figure that matters
+is the survivors' **longest pause**:
 the longest gap between two steps completed anywhere from c's start until three
 steps at world size 3 (in-process, a and b train on while c starts).
 
@@ -71,7 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from _common import JsonLines, fmt, interruptible, median, table
+from _common import JsonLines, fmt, interruptible, median, p90, table
 
 from elastic_rt.etcd_server import EtcdServer, free_port
 from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env, wait_until
@@ -93,9 +99,11 @@ class Case:
     """"elastic" or "torchrun"."""
     in_process: bool
     fault: str
-    """"node-kill", "node-hang" or "worker-kill"."""
+    """"node-kill", "node-hang", "worker-kill", "join" or "fence"."""
     target: str
     rdzv_conf: str = ""
+    min_nodes: int = 2
+    """elastic-rt ``--nnodes MIN:3``."""
 
 
 def cases(args: argparse.Namespace) -> dict[str, Case]:
@@ -110,6 +118,8 @@ def cases(args: argparse.Namespace) -> dict[str, Case]:
              rdzv_conf=args.torchrun_fast_conf),
         Case("inproc-join", "elastic", True, "join", "pause <= 1.5 s"),
         Case("restart-join", "elastic", False, "join", "-"),
+        Case("inproc-fence", "elastic", True, "fence", "pause <= 1.0 s"),
+        Case("inproc-worker-min", "elastic", True, "worker-kill", "<= 1.5 s", min_nodes=3),
     ]
     return {c.name: c for c in listed}
 
@@ -186,7 +196,8 @@ class Job:
     def _command(self, node: str) -> list[str]:
         if self.case.launcher == "elastic":
             assert self.etcd is not None
-            return [PYTHON, "-m", "elastic_rt.cli", "launch", "--nnodes", "2:3",
+            return [PYTHON, "-m", "elastic_rt.cli", "launch", "--nnodes",
+                    f"{self.case.min_nodes}:3",
                     "--nproc-per-node", "1", "--rdzv-endpoint", f"etcd://{self.etcd.endpoint}",
                     "--run-id", self.run_id, "--node-id", node, "--events-file", str(self.events),
                     "--lease-ttl", str(self.args.lease_ttl), *self._script()]
@@ -235,13 +246,13 @@ class Job:
         victim_tree = self.procs.tree(self.nodes[VICTIM]) if VICTIM in self.nodes else []
         old_pids = {p.pid for pid in self.nodes.values() for p in self.procs.tree(pid)}
         fault_round = max((r.round or 0) for r in self.poll())
-        stamp = self._fault(victim_tree)
+        stamp = self._fault(victim_tree, fault_round)
         self._faulted = True
 
         def recovered(r: Row) -> bool:
             if r.time <= stamp:
                 return False
-            if self.case.fault == "join":
+            if self.case.fault in ("join", "fence"):
                 return r.world_size == len(NODES)
             if self.case.in_process:
                 return r.node != VICTIM and (r.round or 0) > fault_round
@@ -273,10 +284,12 @@ class Job:
             return r.node == VICTIM
         return r.pid in {p.pid for p in victim_tree}
 
-    def _fault(self, victim_tree: list) -> float:
+    def _fault(self, victim_tree: list, fault_round: int) -> float:
         if self.case.fault == "join":
             return self._start_node(VICTIM)
         root = self.nodes[VICTIM]
+        if self.case.fault == "fence":
+            return self._fence(root, fault_round)
         if self.case.fault == "node-kill":
             return self.procs.signal_tree(root, signal.SIGKILL)
         if self.case.fault == "node-hang":
@@ -285,6 +298,19 @@ class Job:
         if not workers:
             raise RuntimeError("node c has no worker process")
         return self.procs.signal_tree(workers[0].pid, signal.SIGKILL)
+
+    def _fence(self, root: int, fault_round: int) -> float:
+        """Stop node c until the others train on without it (its lease is gone), then
+        continue it; returns when it was continued."""
+        self._faulted = True
+        self.procs.signal_tree(root, signal.SIGSTOP)
+        try:
+            self._until(lambda: [r for r in self.poll() if (r.round or 0) > fault_round
+                                 and r.node != VICTIM and r.world_size < len(NODES)][2:] or None,
+                        self.args.recover_timeout, "3 steps without node c")
+        finally:
+            stamp = self.procs.signal_tree(root, signal.SIGCONT)
+        return stamp
 
 
 def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root: Path,
@@ -324,16 +350,16 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
         ok = [t for t in trials if t.recovery_s is not None]
         times = [t.recovery_s for t in ok if t.recovery_s is not None]
         lost = median([t.steps_lost for t in ok])
-        pause = median([t.pause_s for t in ok if t.pause_s is not None])
+        pauses = [t.pause_s for t in ok if t.pause_s is not None]
         rows.append([
-            name, f"{len(ok)}/{len(trials)}", fmt(med[name]),
+            name, f"{len(ok)}/{len(trials)}", fmt(med[name]), fmt(p90(times)),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
-            fmt(lost, ".0f"), fmt(pause), ratio(default, med[name]), ratio(fast, med[name]),
-            chosen[name].target,
+            fmt(lost, ".0f"), fmt(median(pauses)), fmt(p90(pauses)), ratio(default, med[name]),
+            ratio(fast, med[name]), chosen[name].target,
         ])  # fmt: skip
-    return table(["case", "ok", "recovery s (median)", "min-max", "steps lost (median)",
-                  "longest pause s (median)", "torchrun-default / this", "torchrun-fast / this",
-                  "target"], rows)
+    return table(["case", "ok", "recovery s (median)", "p90", "min-max", "steps lost (median)",
+                  "longest pause s (median)", "p90", "torchrun-default / this",
+                  "torchrun-fast / this", "target"], rows)
 
 
 def parse_args() -> argparse.Namespace:
@@ -396,6 +422,7 @@ def main() -> int:
     if results:
         print()
         print(report(results, {n: known[n] for n in results}))
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
     measured = all(t.recovery_s is not None for ts in results.values() for t in ts)
     return 0 if results and measured else 1
 

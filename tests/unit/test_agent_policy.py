@@ -188,9 +188,9 @@ def test_in_process_recovery_is_published_once() -> None:
 
 
 def test_a_fenced_node_asks_for_a_restart_round_when_its_round_still_stands() -> None:
-    fenced = policy.fenced(RUNNING_R1)
+    fenced = policy.registered(policy.fenced(RUNNING_R1))  # restart mode: registered again
     assert (fenced.phase, fenced.round, fenced.running) == (Phase.FENCED, R1, None)
-    assert policy.fenced(fenced) == fenced  # a second fence keeps the round to rejoin
+    assert policy.fenced(fenced) == policy.fenced(RUNNING_R1)  # still the round to rejoin
     decision = policy.decide(fenced, observe(workers=WorkerState.IDLE), SETTINGS)
     (action,) = decision.actions
     assert isinstance(action, policy.ProposeRound)
@@ -200,6 +200,40 @@ def test_a_fenced_node_asks_for_a_restart_round_when_its_round_still_stands() ->
     moved_on = policy.decide(fenced, observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")),
                                              WorkerState.IDLE), SETTINGS)
     assert moved_on.actions == (policy.StartWorkers(R2),)
+
+
+FENCED_R1 = policy.fenced(RUNNING_R1)
+
+
+@pytest.mark.parametrize(("snapshot", "action"), [
+    # in place: the survivors re-formed without us, or not yet (we are still listed)
+    (Snapshot(round=R2, nodes=nodes("b", "c"), in_process=True), policy.RejoinInStandby(R2)),
+    (Snapshot(round=R1, nodes=nodes("a", "b"), in_process=True), policy.RejoinInStandby(R1)),
+    # restart mode, or a job ending: register, and the next round restarts us (or ends)
+    (Snapshot(round=R2, nodes=nodes("b", "c")), policy.Register()),
+    (Snapshot(round=R1, nodes=nodes("a", "b"), in_process=True, completing=True),
+     policy.Register()),
+])
+def test_a_fenced_node_registers_again_only_through_the_standby_start_when_in_place(
+        snapshot: Snapshot, action: policy.Action) -> None:
+    assert not FENCED_R1.registered
+    decision = policy.decide(FENCED_R1, observe(snapshot, WorkerState.IDLE), SETTINGS)
+    assert decision.actions == (action,)
+    assert decision.state == FENCED_R1  # the agent says when it has registered
+
+
+def test_a_fenced_node_whose_run_closed_leaves_without_registering() -> None:
+    closed = Snapshot(round=R1, nodes=nodes("b"), in_process=True, closed="finished")
+    decision = policy.decide(FENCED_R1, observe(closed, WorkerState.IDLE), SETTINGS)
+    assert kinds(decision) == ["Exit"]
+
+
+def test_a_restarted_node_evicts_its_own_stale_registration() -> None:
+    listed = Snapshot(round=R1, nodes=nodes("a", "b"), in_process=True)
+    assert policy.stale_registration(listed, "a") == listed.nodes["a"]
+    assert policy.stale_registration(listed, "c") is None
+    follower = Snapshot(round=R1, nodes={}, in_process=True, nodes_known=False)
+    assert policy.stale_registration(follower, "a") is None
 
 
 def test_a_new_alarm_in_our_round_is_answered_once() -> None:
@@ -247,14 +281,14 @@ def test_finished_without_us(state: AgentState, workers: WorkerState, acks: tupl
 
 # joining -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("snapshot", "standby"), [
-    (dataclasses.replace(IN_R1, in_process=True), False),  # we are a member already
-    (Snapshot(round=R1, nodes=nodes("b"), in_process=True), False),
+    (dataclasses.replace(IN_R1, in_process=True), True),  # listed: we restarted
+    (Snapshot(round=R1, nodes=nodes("b"), in_process=True), True),  # listed, lease gone
     (Snapshot(round=round_of("b", "c"), nodes=nodes("b", "c"), in_process=True), True),
     (Snapshot(round=round_of("b", "c"), nodes=nodes("b", "c")), False),  # restart mode
     (Snapshot(round=round_of("b", "c"), nodes={}, in_process=True, completing=True), False),
 ])
 def test_joins_in_standby(snapshot: Snapshot, standby: bool) -> None:
-    assert policy.joins_in_standby(snapshot, "a") is standby
+    assert policy.joins_in_standby(snapshot) is standby
 
 
 def test_a_finished_run_with_nobody_left_is_stale() -> None:
