@@ -233,16 +233,34 @@ class Agent:
             self.keeper.stop(revoke=True)
             self.events.emit("node.left", round=verdict.round.number, reason=verdict.why)
             self._start_in_standby(verdict.round, restart=True)
+        elif isinstance(verdict, policy.ReplaceWorkers):
+            self._reform_without_our_ranks(verdict)
+            self._start_in_standby(verdict.proposal.proposal.round, restart=True,
+                                   keep_lease=True)
         elif verdict is not None:
             self._propose(verdict)
         return None
 
-    def _start_in_standby(self, round_: Round, *, restart: bool = False) -> None:
+    def _reform_without_our_ranks(self, verdict: policy.ReplaceWorkers) -> None:
+        """Write the round without our ranks; once more if a peer's alarm wrote a round
+        with them meanwhile (its survivors would wait there for our replacements)."""
+        self._propose(verdict.proposal)
+        current = self.registry.current_round()
+        me = self.info.node_id
+        if (current is not None and me in current.members
+                and current.nprocs[current.group_rank(me)] > 0):
+            without = policy.with_ranks(current, me, 0, verdict.why, int(time.time() * 1000))
+            self._propose(policy.ProposeRound(without, replaced=current))
+
+    def _start_in_standby(self, round_: Round, *, restart: bool = False,
+                          keep_lease: bool = False) -> None:
         """Start workers outside any round; register only once they are imported.
 
-        Used by a node joining a running in-process job and by one replacing a failed
-        worker. The workers announce themselves once imported; only then does the node
-        register, and the survivors admit it at a step boundary without waiting.
+        Used by a node joining a running in-process job, by one replacing a failed
+        worker and by one back from a fence. The workers announce themselves once
+        imported; only then does the node register (or, with ``keep_lease``, when it
+        stayed a member without ranks, ask for its ranks back), and the survivors take
+        it in at a step boundary without waiting.
         Workers that do not announce in time are stopped and the node joins the normal
         way (restart mode is the fallback, never a hang).
         """
@@ -252,9 +270,10 @@ class Agent:
         self.workers.wait_announced(self.config.reform_timeout.total_seconds(),
                                     give_up=lambda: self.inbox.leave_signal is not None,
                                     sleep=self.inbox.sleep)
-        self.keeper = self._lease_keeper()
-        self.keeper.start()
-        self.state = policy.registered(self.state)
+        if not keep_lease:
+            self.keeper = self._lease_keeper()
+            self.keeper.start()
+            self.state = policy.registered(self.state)
         if self.workers.in_process():
             # Belong to no round yet: the round that admits us (even the current one, if it
             # still lists us) then starts through FollowRound and gets its store published.

@@ -190,3 +190,29 @@ def test_a_node_back_from_a_fence_is_taken_back_through_the_standby_start(
     sizes = [e.metadata["world_size"] for e in log if e.name == "step.completed"]
     assert sizes[-1] == 3 and 2 in sizes, "c was not cut off, or not taken back"
     _came_back_through_standby(log, "c", lambda e: e.name == "agent.fenced" and e.node == "c")
+
+
+def test_a_worker_lost_at_the_minimum_node_count_is_replaced_while_the_others_train(
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path
+) -> None:
+    reference, ref_dir = _reference(process_tree, etcd_server, run_id, tmp_path)
+    out = tmp_path / "params.pt"
+    nodes = {n: _node(process_tree, etcd_server, run_id, tmp_path, n, out, nnodes="3:3",
+                      steps=LONG_STEPS) for n in "abc"}
+    wait_until(lambda: _step(tmp_path) >= 20, 180, "step 20")
+    workers = [p for p in process_tree.tree(nodes["c"].pid) if p.pid != nodes["c"].pid]
+    assert workers, "c has no worker"
+    process_tree.signal_tree(workers[0].pid, signal.SIGKILL)
+    for name in "abc":
+        assert nodes[name].wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    assert reference.wait(timeout=120) == 0, (ref_dir / "solo.log").read_text()[-3000:]
+
+    log = events(tmp_path / "events.jsonl")
+    _assert_same_training(tmp_path, ref_dir, log, ("a", "b"))
+    # c stayed a member without ranks (the job is at its minimum), then got them back.
+    rounds = [e.metadata for e in log if e.name == "round.formed" and e.source == "agent"]
+    assert [r["world_size"] for r in rounds if r["members"] and "c" in r["members"]][-1] == 3
+    assert any(r["world_size"] == 2 and sorted(r["members"]) == ["a", "b", "c"] for r in rounds)
+    sizes = [e.metadata["world_size"] for e in log if e.name == "step.completed"]
+    assert sizes[-1] == 3 and 2 in sizes, "the others did not train on without c's worker"
+    _came_back_through_standby(log, "c", lambda e: e.name == "worker.failed" and e.node == "c")

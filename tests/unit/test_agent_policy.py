@@ -348,11 +348,49 @@ def test_restart_budget_and_the_ways_to_restart() -> None:
     three = Snapshot(round=round_of("a", "b", "c"), nodes=nodes("a", "b", "c"))
     standby = policy.on_restart_counted(facts(three, in_process=True), 1, SETTINGS)
     assert isinstance(standby, policy.RestartInStandby) and standby.round == three.round
-    # At min nodes, stepping out would stop the job: everyone restarts instead.
-    assert isinstance(policy.on_restart_counted(facts(IN_R1, in_process=True), 1, SETTINGS),
-                      policy.ProposeRound)
+    # At min nodes, stepping out would stop the job: the node stays without ranks instead.
+    replace = policy.on_restart_counted(facts(IN_R1, in_process=True), 1, SETTINGS)
+    assert isinstance(replace, policy.ReplaceWorkers)
+    without = replace.proposal.proposal
+    assert (without.round.members, without.round.nprocs) == (R1.members, (0, 1))
+    assert (without.round.number, without.expected_token) == (2, R1.token)
+    # A peer's alarm already restarted the round with our ranks: replaced again, from there.
+    restarted = Snapshot(round=dataclasses.replace(R1, number=2, token=55), nodes=nodes("a", "b"))
+    again_without = policy.on_restart_counted(facts(restarted, in_process=True), 1, SETTINGS)
+    assert isinstance(again_without, policy.ReplaceWorkers)
+    assert again_without.proposal.proposal.expected_token == 55
     moved_on = Snapshot(round=R2, nodes=nodes("a", "b"))
     assert policy.on_restart_counted(facts(moved_on), 1, SETTINGS) is None
+
+
+WITHOUT_A = dataclasses.replace(R1, number=2, nprocs=(0, 1), token=60)
+"""a's workers are being replaced: it is a member with no ranks."""
+STANDBY = AgentState(phase=Phase.STANDBY, round=dataclasses.replace(WITHOUT_A, number=-1),
+                     ever_ran=True)
+
+
+@pytest.mark.parametrize(("state", "obs", "grows_back"), [
+    (STANDBY, observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b")), acks=(-1,)), True),
+    # replacements still importing (no announcement yet): not yet
+    (STANDBY, observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b")), acks=(None,)), False),
+    # they did not start in time and were stopped: the round restarts ours
+    (AgentState(ever_ran=True), observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b")),
+                                        WorkerState.IDLE), True),
+    # the job is finishing: no new rounds
+    (STANDBY, observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b"), completing=True),
+                      acks=(-1,)), False),
+    # our ranks are in the round already
+    (STANDBY, observe(acks=(-1,)), False),
+])
+def test_a_node_whose_workers_were_replaced_asks_for_its_ranks_back(
+        state: AgentState, obs: Observation, grows_back: bool) -> None:
+    decision = policy.decide(state, obs, SETTINGS)
+    proposals = [a for a in decision.actions if isinstance(a, policy.ProposeRound)]
+    assert bool(proposals) == grows_back, decision.actions
+    if grows_back:
+        (back,) = proposals
+        assert (back.proposal.round.nprocs, back.proposal.round.number) == ((1, 1), 3)
+        assert back.proposal.expected_token == WITHOUT_A.token
 
 
 # root causes ---------------------------------------------------------------------------
