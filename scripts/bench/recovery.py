@@ -80,6 +80,7 @@ from typing import Callable, TypeVar
 from _common import JsonLines, fmt, interruptible, median, p90, table
 
 from elastic_rt.etcd_server import EtcdServer, free_port
+from elastic_rt.events import read_events
 from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env, wait_until
 
 ELASTIC_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
@@ -134,6 +135,8 @@ class Trial:
     error: str = ""
     pause_s: float | None = None
     """Longest gap between two completed steps from the fault to 3 steps after recovery."""
+    reform_ms: int | None = None
+    """In-process: the survivors' longest ``groups.reformed`` in the round they resumed in."""
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,15 @@ class Job:
         pause = max((b - a for a, b in zip(times, times[1:])), default=None)
         return Trial(recovery_s=first.time - stamp,
                      steps_lost=max(0, last_before - (first.step - 1)), last_before=last_before,
-                     resumed_from=first.step - 1, victim_rank=victim_rank, pause_s=pause)
+                     resumed_from=first.step - 1, victim_rank=victim_rank, pause_s=pause,
+                     reform_ms=self._reform_ms(first.round))
+
+    def _reform_ms(self, round_: int | None) -> int | None:
+        if not self.case.in_process:
+            return None
+        spans = [e.metadata.get("duration_ms", 0) for e in read_events(str(self.events))
+                 if e.name == "groups.reformed" and e.round == round_ and e.node != VICTIM]
+        return max(spans, default=None)
 
     def _is_victim(self, r: Row, victim_tree: list) -> bool:
         if self.case.in_process:
@@ -329,7 +340,8 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
             procs.close()
         trials.append(trial)
         print(f"  {case.name} #{i + 1}: recovery {fmt(trial.recovery_s)} s, steps lost "
-              f"{fmt(trial.steps_lost, 'd')}, longest pause {fmt(trial.pause_s)} s "
+              f"{fmt(trial.steps_lost, 'd')}, longest pause {fmt(trial.pause_s)} s, "
+              f"groups.reformed {fmt(trial.reform_ms, 'd')} ms "
               f"(last {trial.last_before}, resumed from "
               f"{trial.resumed_from}), victim rank {trial.victim_rank}, trial took "
               f"{time.monotonic() - began:.0f} s{'  ERROR: ' + trial.error if trial.error else ''}"
@@ -351,14 +363,17 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
         times = [t.recovery_s for t in ok if t.recovery_s is not None]
         lost = median([t.steps_lost for t in ok])
         pauses = [t.pause_s for t in ok if t.pause_s is not None]
+        reforms = [t.reform_ms for t in ok if t.reform_ms is not None]
         rows.append([
             name, f"{len(ok)}/{len(trials)}", fmt(med[name]), fmt(p90(times)),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
-            fmt(lost, ".0f"), fmt(median(pauses)), fmt(p90(pauses)), ratio(default, med[name]),
-            ratio(fast, med[name]), chosen[name].target,
+            fmt(lost, ".0f"), fmt(median(pauses)), fmt(p90(pauses)),
+            f"{fmt(median(reforms), '.0f')} / {fmt(p90(reforms), '.0f')}",
+            ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
         ])  # fmt: skip
     return table(["case", "ok", "recovery s (median)", "p90", "min-max", "steps lost (median)",
-                  "longest pause s (median)", "p90", "torchrun-default / this",
+                  "longest pause s (median)", "p90", "groups.reformed ms (median / p90)",
+                  "torchrun-default / this",
                   "torchrun-fast / this", "target"], rows)
 
 
