@@ -255,8 +255,10 @@ class Job:
         def recovered(r: Row) -> bool:
             if r.time <= stamp:
                 return False
-            if self.case.fault in ("join", "fence"):
+            if self.case.fault == "join":
                 return r.world_size == len(NODES)
+            if self.case.fault == "fence":  # c's old worker may log a step as it continues
+                return r.world_size == len(NODES) and (r.round or 0) > fault_round
             if self.case.in_process:
                 return r.node != VICTIM and (r.round or 0) > fault_round
             return r.pid not in old_pids
