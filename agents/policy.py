@@ -272,7 +272,7 @@ class RejoinInStandby:
     What is left of the old lease is revoked (the survivors re-form without us at once,
     if they have not yet), the workers start in standby, and the node registers only
     once they are imported. Registering first would get us admitted while our workers
-    still import torch, and every survivor would wait for them (3.6-4.3 s measured).
+    are still starting, and every survivor would wait for them (3.6-4.3 s measured).
     """
 
     round: Round
