@@ -24,8 +24,8 @@ from agents.inbox import Inbox
 from agents.local_workers import LocalWorkers
 from agents.policy import AgentState, Observation
 from agents.round_io import agree_on_store, propose_round, report_root_cause, settle_failure
+from agents.run_watch import RunWatch
 from agents.workers import WorkerExit
-from agents.run_reader import RunReader
 from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError, StoreError
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
@@ -53,8 +53,8 @@ class Agent:
         self.info = NodeInfo(node_id=config.node_id, host=config.host,
                              nproc=config.nproc_per_node, alive_addr=self.alive.address)
         self.inbox = Inbox()
+        self.watch = RunWatch(self.registry, self.inbox)
         self.keeper = self._lease_keeper()
-        self.reader = RunReader(self.registry, self.inbox)
         self.state = AgentState()
         self._started = self._last_wait_report = 0.0
 
@@ -68,22 +68,14 @@ class Agent:
         """
         self.inbox.leave_on_signals()
         self._started = time.monotonic()
-        self._join()
-        # Wake on what changes this node's decision, not on every registration: with
-        # N nodes that would be N^2 reads. A newcomer reads after its own put and
-        # proposes its own admission, so nobody else needs to hear about it.
-        cancels = [self.kv.on_change(self.registry.key(name), self.inbox.changed)
-                   for name in ("round", "closed", "completing", "alarm")]
-        cancels.append(self.kv.on_change(self.registry.key("nodes/"), self.inbox.changed,
-                                         deletes_only=True))
         try:
+            self._join()
             while True:
                 code = self._step()
                 if code is not None:
                     return code
         finally:
-            for cancel in cancels:
-                cancel()
+            self.watch.close()
             self.workers.close()
             self.keeper.stop(revoke=True)
             self.alive.close()
@@ -91,13 +83,12 @@ class Agent:
 
     def _join(self) -> None:
         try:
-            snapshot = self.registry.snapshot()
+            snapshot = self.registry.preview()
             if policy.is_stale_run(snapshot):
                 self.kv.delete_prefix(self.registry.prefix)
             standby = policy.joins_in_standby(snapshot)
-            stale = policy.stale_registration(snapshot, self.info.node_id)
-            if standby and stale is not None:
-                self.registry.evict(stale)  # our workers died with our last run here
+            if standby:
+                self._evict_stale_registration()
             if not standby:
                 self.keeper.start()
             self.registry.publish_max_restarts(self.config.max_restarts)
@@ -132,7 +123,7 @@ class Agent:
     def _observe(self) -> Observation:
         leave_signal = self.inbox.leave_signal
         snapshot, store_error = (None, False) if leave_signal is not None else (
-            self.reader.read(self.state, self.settings))
+            self.watch.read(self.state, self.settings))
         workers, exits = self.workers.poll()
         return Observation(
             now=time.monotonic(), now_ms=int(time.time() * 1000), snapshot=snapshot,
@@ -170,7 +161,7 @@ class Agent:
         elif isinstance(action, policy.PublishInProcess):
             self.registry.mark_in_process()
         elif isinstance(action, policy.JoinTimedOut):
-            raise self.config.join_timed_out(action.registered)
+            raise self.config.join_timed_out(self.watch.registered())
         elif isinstance(action, policy.Sleep):
             if action.waiting_for:
                 self._report_waiting(action.waiting_for)
@@ -180,7 +171,7 @@ class Agent:
     # rounds --------------------------------------------------------------------
     def _propose(self, action: policy.ProposeRound) -> None:
         self.inbox.reread()
-        propose_round(self.registry, self.events, action)
+        propose_round(self.watch.propose, self.events, action)
 
     def _start_round(self, round_: Round) -> None:
         master = self._agree_on_store(round_)
@@ -289,7 +280,19 @@ class Agent:
     def _lease_keeper(self) -> LeaseKeeper:
         # After a fence the loop registers again (see policy.RejoinInStandby), not the keeper.
         return LeaseKeeper(self.registry, self.info, self.config.rendezvous.lease_ttl,
-                           on_fenced=self._fence, rejoin=False)
+                           on_fenced=self._fence,
+                           register=lambda lease: self.watch.join(self.info, lease),
+                           rejoin=False)
+
+    def _evict_stale_registration(self) -> None:
+        """Our registration from before a restart, still on its old lease: revoke it, so
+        the survivors re-form without our lost workers now, not when the lease runs out.
+        (The registrations are read only then: a joining node's preview has none.)"""
+        if not self.registry.is_registered(self.info.node_id):
+            return
+        stale = self.registry.nodes().get(self.info.node_id)
+        if stale is not None:
+            self.registry.evict(stale)
 
     def _revoke_lost_lease(self) -> None:
         """After a fence the old lease may still run for a moment: end it, so the survivors

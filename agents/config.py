@@ -45,10 +45,12 @@ class AgentConfig:
     output: OutputSpec = OutputSpec()
     """torchrun's --log-dir, --redirects, --tee, --local-ranks-filter and --role."""
 
-    def join_timed_out(self, registered: int) -> RendezvousTimeoutError:
+    def join_timed_out(self, registered: int | None) -> RendezvousTimeoutError:
+        """``registered``: None when etcd could not say how many nodes are there."""
         rdzv = self.rendezvous
+        joined = f"only {registered} of" if registered is not None else "fewer than"
         return RendezvousTimeoutError(
-            f"only {registered} of {rdzv.min_nodes} nodes joined run {rdzv.run_id!r} within "
+            f"{joined} {rdzv.min_nodes} nodes joined run {rdzv.run_id!r} within "
             f"{rdzv.join_timeout.total_seconds():.0f} s",
             "Start more nodes, lower --nnodes MIN, or raise --join-timeout.",
         )

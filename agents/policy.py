@@ -29,14 +29,7 @@ from elastic_rt.config import (
     DEFAULT_REFORM_TIMEOUT,
 )
 from elastic_rt.rendezvous import rounds
-from elastic_rt.rendezvous.rounds import (
-    Limits,
-    NodeInfo,
-    Propose,
-    Round,
-    Snapshot,
-    restart_round,
-)
+from elastic_rt.rendezvous.rounds import Limits, Propose, Round, Snapshot, restart_round
 from elastic_rt.root_cause import RootCause
 
 
@@ -529,16 +522,10 @@ def joins_in_standby(snapshot: Snapshot) -> bool:
     Admitting us before our workers have imported torch would make every survivor
     wait for them. This holds for a new node, for one back from a fence
     (:class:`RejoinInStandby`) and for one that restarted (the round may still list
-    it, and hold its old registration: see :func:`stale_registration`).
+    it, and hold its old registration, which the agent revokes first).
     """
     return (snapshot.in_process and snapshot.round is not None
             and not (snapshot.closed or snapshot.completing))
-
-
-def stale_registration(snapshot: Snapshot, me: str) -> NodeInfo | None:
-    """Our registration from before a restart, still on its old lease: revoke it, so the
-    survivors re-form without our lost workers now, not when the lease runs out."""
-    return snapshot.nodes.get(me) if snapshot.nodes_known else None
 
 
 class AlarmVerdict(enum.Enum):

@@ -18,16 +18,18 @@ from agents.workers import WorkerExit
 from elastic_rt.etcd_server import free_port
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.registry import RunRegistry
-from elastic_rt.rendezvous.rounds import NodeInfo, Round
+from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round
 from elastic_rt.root_cause import RootCause
 
 logger = logging.getLogger(__name__)
 
 
-def propose_round(registry: RunRegistry, events: EventSink, action: policy.ProposeRound) -> None:
-    """Write the round if the previous one still stands (one proposer wins), and tell."""
+def propose_round(write: Callable[[Propose], Round | None], events: EventSink,
+                  action: policy.ProposeRound) -> None:
+    """Write the round with ``write`` (:meth:`agents.run_watch.RunWatch.propose`) if the
+    previous one still stands (one proposer wins), and tell."""
     began = time.monotonic()
-    written = registry.propose(action.proposal)
+    written = write(action.proposal)
     if written is None:
         return
     # From the round it replaces, not the agent's state: a worker failure seen before
@@ -69,7 +71,7 @@ def agree_on_store(registry: RunRegistry, round_: Round, me: NodeInfo, *, wait: 
         current = registry.current_round()
         if current is None or current.number != round_.number:
             return None
-        if host not in registry.nodes():
+        if not registry.is_registered(host):
             return None
         sleep(0.05)
     logger.warning("no store address for round %d; waiting for the next round", round_.number)

@@ -1,9 +1,10 @@
 """Rendezvous participants without workers, running the agent's own decisions.
 
 A :class:`SimulatedNode` registers on a real lease
-(:class:`~elastic_rt.rendezvous.lease.LeaseKeeper`) and runs
-:func:`agents.policy.decide` on a thread, exactly as an agent does, with no
-workers: starting them only records the round. Dozens fit in one process, which is
+(:class:`~elastic_rt.rendezvous.lease.LeaseKeeper`), follows the run through the
+agent's own :class:`~agents.run_watch.RunWatch` and runs :func:`agents.policy.decide`
+on a thread, exactly as an agent does, with no workers: starting them only records
+the round. Dozens fit in one process, which is
 how the integration tests put many nodes on one etcd (agents/swarm.py holds
 a thousand for the benchmark).
 """
@@ -19,7 +20,7 @@ from typing import Callable, Iterable
 from agents import policy
 from agents.inbox import Inbox
 from agents.policy import AgentState, Observation
-from agents.run_reader import RunReader
+from agents.run_watch import RunWatch
 from elastic_rt.config import DEFAULT_LEASE_TTL
 from elastic_rt.errors import RendezvousTimeoutError, StoreError
 from elastic_rt.rendezvous import rounds
@@ -46,9 +47,6 @@ class SimulatedNode:
         wait_poll: seconds between snapshots while waiting (the agent's 0.5 s).
         member_poll: seconds between snapshots while in a round (the agent re-reads
             at most once a second and looks at its workers every monitor interval).
-        watch: wake on writes as well as polling, as the agent does.
-        wake_on: which keys' writes wake the node, relative to the run's prefix:
-            ``""`` (every key) or ``"round"`` (round changes only, as the agent).
     """
 
     def __init__(
@@ -62,8 +60,6 @@ class SimulatedNode:
         nproc: int = 1,
         wait_poll: float = 0.5,
         member_poll: float = 0.1,
-        watch: bool = True,
-        wake_on: str = "",
     ) -> None:
         self.kv = kv
         self.registry = RunRegistry(kv, run_id)
@@ -72,9 +68,9 @@ class SimulatedNode:
         self.settings = simulated_settings(node_id, limits, wait_poll=wait_poll,
                                            member_poll=member_poll)
         self.inbox = Inbox()
-        self.keeper = LeaseKeeper(self.registry, self.info, ttl, on_fenced=self._on_fenced)
-        self.watch = watch
-        self.wake_on = wake_on
+        self.watch = RunWatch(self.registry, self.inbox)
+        self.keeper = LeaseKeeper(self.registry, self.info, ttl, on_fenced=self._on_fenced,
+                                  register=lambda lease: self.watch.join(self.info, lease))
         self.state = AgentState()
         self.rounds: list[Round] = []
         """Every round this node took part in, in order (one entry per round number)."""
@@ -86,7 +82,6 @@ class SimulatedNode:
         self.fenced: list[str] = []
         self._changed = threading.Condition()
         self._stop = threading.Event()
-        self.reader = RunReader(self.registry, self.inbox)
         self._thread = threading.Thread(target=self._run, name=f"sim-{node_id}", daemon=True)
 
     # lifecycle ---------------------------------------------------------------------
@@ -140,12 +135,8 @@ class SimulatedNode:
 
     # the loop: the agent's decisions, carried out without workers ----------------------
     def _run(self) -> None:
-        cancel_watch: Callable[[], None] | None = None
         try:
             self.keeper.start()
-            if self.watch:
-                cancel_watch = self.kv.on_change(self.registry.key(self.wake_on),
-                                                 self.inbox.changed)
             while not self._stop.is_set():
                 self._step()
         except BaseException as exc:  # noqa: BLE001 - thread boundary: keep it for the test
@@ -154,8 +145,7 @@ class SimulatedNode:
                 self.error = exc
                 self._changed.notify_all()
         finally:
-            if cancel_watch is not None:
-                cancel_watch()
+            self.watch.close()
 
     def _step(self) -> None:
         if self.inbox.take_fenced():
@@ -168,7 +158,7 @@ class SimulatedNode:
             self._act(action)
 
     def _observe(self) -> Observation:
-        snapshot, store_error = self.reader.read(self.state, self.settings)
+        snapshot, store_error = self.watch.read(self.state, self.settings)
         return Observation(now=time.monotonic(), now_ms=int(time.time() * 1000),
                            snapshot=snapshot, store_error=store_error)
 
@@ -194,7 +184,7 @@ class SimulatedNode:
     def _propose(self, proposal: rounds.Propose) -> None:
         self.inbox.reread()
         try:
-            written = self.registry.propose(proposal)
+            written = self.watch.propose(proposal)
         except StoreError as exc:
             logger.debug("%s: proposal failed: %s", self.node_id, exc)
             return

@@ -3,11 +3,11 @@
 :mod:`agents.simulated` gives every node a thread, a lease-keeper thread and its own
 gRPC channel; past ~200 nodes on two cores that harness, not etcd, is what is
 measured. Here each node is a coroutine that runs the agent's own decisions
-(:func:`agents.policy.decide` over the snapshots :class:`agents.run_reader.RunReader`
-reads), with its own lease, key and keep-alive, but its etcd calls go through a
-:class:`Swarm`: ``clients`` shared channels and ``workers`` threads that carry out
-the blocking calls. A node's watches are armed on one of the shared clients, as a
-real node arms them on its own.
+(:func:`agents.policy.decide` over the snapshots the agent's
+:class:`agents.run_watch.RunWatch` holds), with its own lease, key, watch and
+keep-alive, but its etcd calls go through a :class:`Swarm`: ``clients`` shared
+channels and ``workers`` threads that carry out the blocking calls. A node's watch is
+armed on one of the shared clients, as a real node arms it on its own.
 
 The swarm also measures itself (:class:`HarnessLoad`) so that a figure taken while
 the harness was the bottleneck is never mistaken for etcd's or the protocol's.
@@ -29,20 +29,17 @@ from typing import Awaitable, Callable, TypeVar
 from agents import policy
 from agents.inbox import Inbox
 from agents.policy import AgentState, Observation
-from agents.run_reader import RunReader
+from agents.run_watch import RunWatch
 from agents.simulated import simulated_settings
 from elastic_rt.errors import StoreError
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KVStore
 from elastic_rt.rendezvous.registry import RunRegistry
-from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round, Snapshot
+from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round
 from elastic_rt.testing import CountingKV, OpCounter
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-AGENT_WATCHES = ("round", "closed", "completing", "alarm")
-"""The keys whose writes wake an agent (agents/agent.py), plus deletions under nodes/."""
 
 
 @dataclass
@@ -202,6 +199,10 @@ def _cpu() -> float:
 class SwarmNode:
     """One participant: own lease and key, the agent's decisions, shared clients.
 
+    It follows the run as an agent does, through :class:`~agents.run_watch.RunWatch`
+    (one join transaction, then a watch: the leader's on the whole run, a follower's
+    on the ``round`` keys), and its blocking calls run on the swarm's threads.
+
     Args:
         swarm: where its etcd calls go.
         node_id: unique within the run.
@@ -223,7 +224,7 @@ class SwarmNode:
         self.kv = swarm.kv()
         self.registry = RunRegistry(self.kv, swarm.run_id)
         self.inbox = Inbox()
-        self.reader = RunReader(self.registry, self.inbox)
+        self.watch = RunWatch(self.registry, self.inbox, on_change=self._woken)
         self.state = AgentState()
         self.lease = 0
         self.rounds: list[Round] = []
@@ -235,11 +236,12 @@ class SwarmNode:
         """Monotonic time of each won proposal."""
         self._wake = asyncio.Event()
         self._round_seen = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._cancels: list[Callable[[], None]] = []
 
     # lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._tasks.append(asyncio.create_task(self._run(), name=self.node_id))
 
     async def stop(self, *, revoke: bool = True) -> None:
@@ -248,8 +250,7 @@ class SwarmNode:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for cancel in self._cancels:
-            cancel()
+        self.watch.close()
         if revoke and self.lease:
             try:
                 await self.swarm.call(self.kv.revoke_lease, self.lease)
@@ -266,40 +267,29 @@ class SwarmNode:
 
     # the agent's loop ----------------------------------------------------------------
     async def _run(self) -> None:
-        await self._join()
+        await self._register()
         self.joined_at = time.monotonic()
         while True:
             await self._step()
 
-    async def _join(self) -> None:
-        """Register, then watch what wakes an agent (agents/agent.py)."""
-        await self._register()
-        loop = asyncio.get_running_loop()
-
-        def woken() -> None:  # from a client's watch thread
-            self.inbox.changed()
-            loop.call_soon_threadsafe(self._wake.set)
-
-        # Arming waits for etcd's answer: on a worker thread, not the event loop.
-        for name in AGENT_WATCHES:
-            self._cancels.append(await self.swarm.call(
-                self.kv.on_change, self.registry.key(name), woken))
-        self._cancels.append(await self.swarm.call(
-            lambda: self.kv.on_change(self.registry.key("nodes/"), woken, deletes_only=True)))
+    def _woken(self) -> None:  # from a client's watch thread, or a worker thread
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     async def _register(self) -> None:
+        """A new lease, then the agent's join: one transaction and one watch."""
         self.lease = await self.swarm.call(self.kv.grant_lease, max(1, int(self.ttl.seconds)))
-        await self.swarm.call(self.registry.register, self.info, self.lease)
+        await self.swarm.call(self.watch.join, self.info, self.lease)
         self.swarm.keep(self.lease, self._lease_lost)
-
-    async def _observe(self) -> tuple[Snapshot | None, bool]:
-        """The run as the agent reads it: a snapshot when a decision needs one."""
-        return await self.swarm.call(self.reader.read, self.state, self.settings)
 
     async def _step(self) -> None:
         if self.inbox.take_fenced():
             self.state = policy.fenced(self.state)
-        snapshot, store_error = await self._observe()
+        if self.watch.is_current:  # in memory: queueing it for a thread only adds lag
+            snapshot, store_error = self.watch.read(self.state, self.settings)
+        else:
+            snapshot, store_error = await self.swarm.call(self.watch.read, self.state,
+                                                          self.settings)
         if store_error:
             self.swarm.retries.add("store_error")
         obs = Observation(now=time.monotonic(), now_ms=int(time.time() * 1000),
@@ -313,7 +303,7 @@ class SwarmNode:
         if isinstance(action, policy.ProposeRound):
             self.inbox.reread()
             try:
-                written = await self.swarm.call(self.registry.propose, action.proposal)
+                written = await self.swarm.call(self.watch.propose, action.proposal)
             except StoreError:
                 self.swarm.retries.add("store_error")
                 return

@@ -104,14 +104,11 @@ async def _timed(name: str, swarm: Swarm, endpoint: str, nodes: list[SwarmNode],
                  etcd, held[0], began)
 
 
-async def run_swarm(endpoint: str, n_nodes: int, *, node_class: type[SwarmNode] = SwarmNode,
+async def run_swarm(endpoint: str, n_nodes: int, *,
                     events: bool = True, clients: int = 16, workers: int = 64,
                     timeout: float = 60.0, settle: float = 3.0, **node_kwargs: Any
                     ) -> SwarmReport:
     """Form a round of ``n_nodes``; with ``events``, then evict one node and admit one.
-
-    ``node_class`` picks the protocol: :class:`SwarmNode` reads as agents/agent.py
-    does today, :class:`agents.swarm_elected.ElectedSwarmNode` follows an elected leader.
 
     The eviction is what an agent does when a peer's liveness socket refuses (it
     revokes the peer's lease), so the time measured is the protocol's, not a TTL.
@@ -119,7 +116,7 @@ async def run_swarm(endpoint: str, n_nodes: int, *, node_class: type[SwarmNode] 
     run_id = f"swarm-{uuid.uuid4().hex[:8]}"
     swarm = Swarm(endpoint, run_id, clients=clients, workers=workers)
     limits = Limits(min_nodes=max(1, n_nodes - 1), max_nodes=n_nodes, last_call=60.0)
-    nodes = [node_class(swarm, f"node-{i:04d}", limits, **node_kwargs) for i in range(n_nodes)]
+    nodes = [SwarmNode(swarm, f"node-{i:04d}", limits, **node_kwargs) for i in range(n_nodes)]
     report = SwarmReport(load=swarm.load)
     stop = asyncio.Event()
     monitor = asyncio.create_task(swarm.monitor(stop))
@@ -149,7 +146,7 @@ async def run_swarm(endpoint: str, n_nodes: int, *, node_class: type[SwarmNode] 
                 lambda r: r.number > before.number and victim.node_id not in r.members,
                 timeout, lambda: victim.stop(revoke=True)))
             nodes = survivors
-            newcomer = node_class(swarm, "node-new", limits, **node_kwargs)
+            newcomer = SwarmNode(swarm, "node-new", limits, **node_kwargs)
             nodes.append(newcomer)
 
             async def admit() -> None:

@@ -26,6 +26,7 @@ _EXPORTS = {
     "context": "elastic_rt.worker.context",
     "plan_layout": "elastic_rt.layout",
     "run": "elastic_rt.worker.loop",
+    "worker_device": "elastic_rt.accelerator",
 }
 
 __all__ = sorted(_EXPORTS)

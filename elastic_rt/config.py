@@ -51,6 +51,9 @@ AGENT_DIR_ENV = "ELASTIC_RT_AGENT_DIR"
 COLLECTIVE_TIMEOUT_ENV = "ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC"
 LOG_LEVEL_ENV = "ELASTIC_RT_LOG_LEVEL"
 HANG_FACTOR_ENV = "ELASTIC_RT_HANG_FACTOR"
+BACKEND_ENV = "ELASTIC_RT_BACKEND"
+"""``gloo`` or ``nccl``: the backend of a round's groups; unset, NCCL exactly when CUDA is
+present (see :mod:`elastic_rt.accelerator`). Read by workers from the inherited environment."""
 
 # Defaults, each written here once; the CLI, the agent and the workers take them from here.
 DEFAULT_LEASE_TTL = timedelta(seconds=5)

@@ -13,6 +13,14 @@ Guarantees: :func:`init_groups` can be called again in the same process after
 
 Does not guarantee: that the groups survive a peer's death; a collective on a broken group
 fails (or times out after ``timeout``) and the caller re-forms.
+
+Backends, per group (see :mod:`elastic_rt.accelerator` for why): the world and axis groups
+are gloo without CUDA and mixed with it (``cpu:gloo,cuda:nccl``: gradients over NCCL, the
+CPU tensors of state and shard sync and the loss sum over gloo). Side groups
+(:func:`side_group`, checkpoint coordination) are always gloo: they carry CPU objects
+only, and must not queue behind training work on the NCCL stream. :func:`abort_groups`
+aborts NCCL communicators from any thread (a round abandoned while a collective blocks
+in NCCL); gloo groups are left to :func:`destroy_groups`.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from elastic_rt.accelerator import backend_from_env, uses_nccl
 from elastic_rt.layout import AXES, Layout
 
 logger = logging.getLogger(__name__)
@@ -44,7 +53,7 @@ class Groups:
         pp: the pipeline stages of this rank's replica (same ``dp`` and ``tp``).
         tp: the ranks sharing this rank's stage by tensor split (same ``pp`` and ``dp``).
         mesh: a ``("pp", "dp", "tp")`` mesh over the same groups, for DTensor.
-        backend: ``"gloo"`` or ``"nccl"``.
+        backend: torch's name: ``"gloo"``, or ``"cpu:gloo,cuda:nccl"`` (mixed).
     """
 
     layout: Layout
@@ -62,8 +71,14 @@ class Groups:
 
 
 def pick_backend() -> str:
-    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """This process's backend: mixed NCCL/gloo when CUDA is available, else gloo.
+
+    ``ELASTIC_RT_BACKEND`` overrides it (:func:`elastic_rt.accelerator.choose_backend`).
+
+    Raises:
+        ConfigError: ``ELASTIC_RT_BACKEND`` is unknown, or ``nccl`` without CUDA.
+    """
+    return backend_from_env()
 
 
 def init_groups(
@@ -89,7 +104,8 @@ def init_groups(
         layout: how the ranks split into ``pp``, ``dp`` and ``tp``.
         prefix: a key prefix unique to the round, e.g. ``/elastic_rt/<run_id>/round-<k>/``.
         timeout: how long any collective (including this set-up) waits for a peer.
-        backend: ``"gloo"`` or ``"nccl"``; :func:`pick_backend` when ``None``.
+        backend: ``"gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``; :func:`pick_backend`
+            when ``None``.
         join_timeout: how long the world group (and its collectives) wait; ``timeout``
             when ``None``. Longer for a round that waits on a new node still starting.
 
@@ -125,7 +141,7 @@ def _create(store: dist.Store, rank: int, layout: Layout, prefix: str, timeout: 
     mine = {axis: _axis_group(layout, axis, rank, timeout, backend) for axis in AXES}
     mesh = DeviceMesh.from_group(
         [mine[axis] for axis in AXES],
-        "cuda" if backend == "nccl" else "cpu",
+        "cuda" if uses_nccl(backend) else "cpu",
         mesh=torch.arange(layout.world_size).reshape(layout.pp, layout.dp, layout.tp),
         mesh_dim_names=AXES,
     )
@@ -155,7 +171,7 @@ def destroy_groups(groups: Groups | None) -> None:
         return
     what = f"layout {groups.layout}" if groups is not None else "an unfinished round"
     try:
-        if dist.get_backend() == "nccl":
+        if uses_nccl(dist.get_backend()):
             # destroy would wait for outstanding work, which never ends when a peer is gone.
             dist.distributed_c10d._abort_process_group()
         else:
@@ -165,6 +181,47 @@ def destroy_groups(groups: Groups | None) -> None:
                        exc_info=True)
     _forget_sharding_cache()
     logger.info("Process groups of %s destroyed", what)
+
+
+def abort_groups() -> int:
+    """Abort every NCCL communicator of this process; callable from any thread. Never raises.
+
+    A collective blocked in NCCL on a dead or hung peer returns (with an error) once its
+    communicator is aborted; a blocked gloo collective does not need this (its peer's
+    sockets close, or :func:`destroy_groups` closes ours). Gloo-only groups are not
+    touched, so calling this on CPU, or twice, is harmless. The groups stay registered:
+    the thread that runs the loop still calls :func:`destroy_groups` (which aborts again,
+    a no-op for a communicator already aborted) before the next round's groups.
+
+    Returns:
+        How many groups had NCCL communicators aborted.
+    """
+    if not dist.is_available():
+        return 0
+    aborted = 0
+    # A snapshot: the loop's thread may be destroying groups meanwhile.
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if not _has_nccl(group):
+            continue
+        try:
+            group.abort()
+            aborted += 1
+        except Exception:  # an already destroyed group; the next one must still be aborted
+            logger.warning("aborting a process group failed; continuing", exc_info=True)
+    if aborted:
+        logger.info("aborted the NCCL communicators of %d process groups", aborted)
+    return aborted
+
+
+def _has_nccl(group: dist.ProcessGroup) -> bool:
+    if not dist.is_nccl_available():
+        return False
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except RuntimeError:  # no backend for CUDA tensors in this group
+        return False
+    nccl_class = getattr(dist.distributed_c10d, "ProcessGroupNCCL", None)
+    return nccl_class is not None and isinstance(backend, nccl_class)
 
 
 def side_group(training: dist.ProcessGroup | None, timeout: timedelta) -> dist.ProcessGroup | None:

@@ -7,7 +7,7 @@ JSON. With an event file it adds the recoveries and the last notable events.
 The read is a snapshot: a round can form a moment after it. Nothing is written.
 
 Keys read, under ``/elastic_rt/<run_id>/`` (see :mod:`elastic_rt.rendezvous.registry`):
-``nodes/*``, ``round``, ``restarts``, ``max_restarts``, ``completing``, ``closed``,
+``nodes/*``, ``round``, ``restarts``, ``max_restarts``, ``round-completing``, ``round-closed``,
 ``layout`` (JSON ``{"round", "layout": {"dp", "pp", "tp"}}``, written by rank 0),
 ``checkpoint`` (JSON ``{"name", "step", "url"}``, or a bare name), ``progress`` (JSON
 ``{"round", "step", "steps_per_s", "ms"}``, written by rank 0), ``root_cause`` (JSON, a
@@ -26,6 +26,7 @@ from elastic_rt.config import EtcdAuth
 from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError, UnknownRunError
 from elastic_rt.events import Event
 from elastic_rt.rendezvous.kv import KeyValue, KVStore
+from elastic_rt.rendezvous.registry import CLOSED, COMPLETING
 from elastic_rt.rendezvous.rounds import NodeInfo, Round
 from elastic_rt.root_cause import RootCause
 
@@ -178,10 +179,10 @@ def _json_key(items: dict[str, KeyValue], name: str, bare: str = "") -> dict[str
 
 
 def _state(items: dict[str, KeyValue], current: Round | None, nodes: dict[str, NodeInfo]) -> str:
-    closed = _text(items, "closed")
+    closed = _text(items, CLOSED)
     if closed is not None:
         return closed
-    if "completing" in items:
+    if COMPLETING in items:
         return "finishing"
     if current is None:
         return f"forming the first round ({len(nodes)} nodes registered)"

@@ -115,15 +115,14 @@ class CountingKV:
         self.counter.add("revoke_lease")
         self.inner.revoke_lease(lease_id)
 
-    def on_change(self, prefix: str, callback: Callable[[], None], *,
-                  deletes_only: bool = False) -> Callable[[], None]:
+    def on_change(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
         self.counter.add("watch")
 
         def counted() -> None:
             self.counter.add("watch_event")
             callback()
 
-        return self.inner.on_change(prefix, counted, deletes_only=deletes_only)
+        return self.inner.on_change(prefix, counted)
 
     def watch_changes(self, prefix: str, callback: Callable[[list[Change] | None], None], *,
                       start_revision: int) -> Callable[[], None]:

@@ -5,12 +5,20 @@ buffers are kept and reused from save to save, so steady-state staging allocates
 nothing and holds at most one extra copy of the state (1x its size). One write is in
 flight at a time: the next save first waits for the previous one, because the
 previous write still reads the staging buffers.
+
+CUDA tensors are staged through pinned (page-locked) host buffers with ``non_blocking``
+copies, queued on each device's current stream: the caller pays for queueing them, not
+for the transfer. Training kernels queued after them on that stream (the next optimizer
+step) run after the copies, so the staged values are those of the save's step. The
+background write waits for a CUDA event recorded after the copies
+(:meth:`Staged.wait_copied`) before it reads a buffer.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
@@ -19,6 +27,22 @@ from torch.distributed.tensor import DTensor
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Staged:
+    """CPU copies of a save's tensors, and the CUDA events that mark their copies done.
+
+    ``events`` is empty when every tensor came from the CPU (its copy is done already).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    events: tuple[torch.cuda.Event, ...] = ()
+
+    def wait_copied(self) -> None:
+        """Block until every device-to-host copy has landed (a no-op for CPU tensors)."""
+        for event in self.events:
+            event.synchronize()
 
 
 class Stager:
@@ -31,23 +55,49 @@ class Stager:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Return CPU copies of ``tensors`` that later training steps cannot change."""
+    def stage(self, tensors: dict[str, torch.Tensor]) -> Staged:
+        """CPU copies of ``tensors`` that later training steps cannot change.
+
+        Copies from a GPU may still be in flight: call :meth:`Staged.wait_copied`
+        before reading the copies.
+        """
         for stale in set(self._buffers) - set(tensors):
             del self._buffers[stale]
-        return {key: self._stage_one(key, tensor) for key, tensor in tensors.items()}
+        staged = {key: self._stage_one(key, tensor) for key, tensor in tensors.items()}
+        devices = {_local(t).device for t in tensors.values() if _local(t).is_cuda}
+        events = []
+        for device in sorted(devices, key=str):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return Staged(staged, tuple(events))
 
     def _stage_one(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = _local(tensor)
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-            buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype \
+                or buffer.is_pinned() != local.is_cuda:
+            buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu",
+                                 pin_memory=should_pin(local))
             self._buffers[key] = buffer
-        buffer.copy_(local.detach(), non_blocking=False)
+        # From pinned memory the copy is asynchronous; from a CPU tensor it is plain.
+        buffer.copy_(local.detach(), non_blocking=local.is_cuda)
         if not isinstance(tensor, DTensor):
             return buffer
-        return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements,
-                                  run_check=False, shape=tensor.shape, stride=tensor.stride())
+        # Same spec (mesh, placements, global shape), the staging buffer as its local
+        # tensor. Not DTensor.from_local: it moves the local tensor to the mesh's device,
+        # which for a CUDA mesh puts the staged copy back on the GPU. torch's own async
+        # staging (_state_dict_utils._create_cpu_state_dict) swaps the local tensor too.
+        return DTensor(buffer, tensor._spec, requires_grad=False)
+
+
+def should_pin(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s staging buffer is page-locked: exactly when it is on a GPU."""
+    return tensor.is_cuda
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class BackgroundWriter:

@@ -173,7 +173,7 @@ class Checkpointer:
             objects = encode_objects(flat.objects)
             extra = _checked_extra(extra)
             layout = _checked_layout(layout)
-            tensors = self._stager.stage(flat.tensors) if self.async_save else flat.tensors
+            staged = self._stager.stage(flat.tensors) if self.async_save else None
         except BaseException as exc:
             # The other ranks are about to wait for us in the first collective of
             # their write: join it with our error so that they fail too, not hang.
@@ -182,7 +182,11 @@ class Checkpointer:
         blocking_s = time.monotonic() - started
         round_number = self._round_of()  # the round whose state this is, not the write's
 
+        tensors = staged.tensors if staged is not None else flat.tensors
+
         def job() -> CheckpointInfo:
+            if staged is not None:
+                staged.wait_copied()  # copies from a GPU land before the write reads them
             return self._write(step, tensors, objects, layout, extra, group, blocking_s,
                                round_number)
 

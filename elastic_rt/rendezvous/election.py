@@ -5,9 +5,10 @@ nodes cost O(N) calls per node and O(N^2) bytes read (issue 15). Here the first
 node to register takes the ``round-leader`` key on its own lease, in the same
 transaction that registers it (:meth:`RunRegistry.join`). The leader watches the
 whole run, so it sees registrations and losses, and alone proposes rounds;
-followers watch only the ``round`` prefix (the round and the leader key) and read
-nothing after joining. A join costs a follower three calls (lease, transaction,
-watch) and a round costs it none; the leader writes each round once.
+followers watch only the ``round`` prefix (the round, the leader key and the job's
+state: alarm, completing, in-process, closed) and read nothing after joining. A
+join costs a follower three calls (lease, transaction, watch) and a round costs it
+none; the leader writes each round once.
 
 Fencing is unchanged: a round is still written with a compare on the previous
 round's revision, so a stale leader (its lease just ended) cannot overwrite a newer
@@ -59,6 +60,12 @@ class RunView:
     @property
     def leader_gone(self) -> bool:
         return LEADER not in self._items
+
+    @property
+    def leader_revision(self) -> int:
+        """The leader key's revision as held (0: none); the holder's re-read compares it."""
+        item = self._items.get(LEADER)
+        return item.mod_revision if item else 0
 
     def apply(self, changes: list[Change]) -> None:
         """Apply watched changes; one older than what is held is ignored."""

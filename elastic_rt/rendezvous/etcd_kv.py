@@ -300,22 +300,38 @@ class EtcdKV:
         # reads were taken at, which a watch must start after; so call the stub.
         request = etcdrpc.TxnRequest(
             compare=[c.build_message() for c in compares],
-            success=self._client._ops_to_requests([self._op(op) for op in success]),
-            failure=self._client._ops_to_requests([self._op(op) for op in failure]),
+            success=[self._op(op) for op in success],
+            failure=[self._op(op) for op in failure],
         )
-        response = self._client.kvstub.Txn(request, self._timeout,
-                                           credentials=self._client.call_credentials,
-                                           metadata=self._client.metadata)
+        response = self._failing_over(lambda: self._client.kvstub.Txn(
+            request, self._timeout, credentials=self._client.call_credentials,
+            metadata=self._client.metadata))
         reads = [[_pb_kv(kv) for kv in r.response_range.kvs] for r in response.responses
                  if r.WhichOneof("response") == "response_range"]
         return TxnResult(bool(response.succeeded), int(response.header.revision), reads)
 
+    def _failing_over(self, call: Callable[[], T]) -> T:
+        """A call on a stub of ours, handled like the client's own (get, put, ...).
+
+        The client benches a member that did not answer, so that the next call goes
+        to another (``failover``), only inside its own methods; a stub called directly
+        would keep every later call on the dead member. Its handler raises etcd3's
+        error for the code, or the gRPC error itself (an auth error, renewed above).
+        """
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            self._client._manage_grpc_errors(exc)
+            raise
+
     def _op(self, op: TxnOp) -> Any:
-        tx = self._client.transactions
+        """etcd's request for one operation (the client's own ``Get`` has no limit)."""
         if isinstance(op, Get):
             end = etcd3.utils.prefix_range_end(op.key.encode()) if op.prefix else None
-            return tx.get(op.key, range_end=end)
-        return tx.put(op.key, op.value, op.lease)
+            return etcdrpc.RequestOp(request_range=self._client._build_get_range_request(
+                op.key, end, limit=op.limit or None))
+        return etcdrpc.RequestOp(request_put=self._client._build_put_request(
+            op.key, op.value, op.lease))
 
     @_translated
     def delete(self, key: str) -> bool:
@@ -337,10 +353,14 @@ class EtcdKV:
     @_translated
     def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
         requests = [etcdrpc.LeaseKeepAliveRequest(ID=lease_id) for lease_id in lease_ids]
-        responses = self._client.leasestub.LeaseKeepAlive(
-            iter(requests), self._timeout, credentials=self._client.call_credentials,
-            metadata=self._client.metadata)
-        ttls = {int(r.ID): int(r.TTL) for r in responses}
+
+        def renew() -> dict[int, int]:
+            responses = self._client.leasestub.LeaseKeepAlive(
+                iter(requests), self._timeout, credentials=self._client.call_credentials,
+                metadata=self._client.metadata)
+            return {int(r.ID): int(r.TTL) for r in responses}
+
+        ttls = self._failing_over(renew)
         return [ttls.get(lease_id, 0) > 0 for lease_id in lease_ids]
 
     @_translated
@@ -355,10 +375,8 @@ class EtcdKV:
     def revision(self) -> int:
         return int(self._client.status().raft_index)
 
-    def on_change(
-        self, prefix: str, callback: Callable[[], None], *, deletes_only: bool = False
-    ) -> Callable[[], None]:
-        watch = _Watch(self, prefix, callback, deletes_only=deletes_only)
+    def on_change(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        watch = _Watch(self, prefix, callback)
         watch.arm()
         return watch.cancel
 
@@ -385,11 +403,8 @@ class EtcdKV:
         return cancel
 
     @_translated
-    def _add_watch(
-        self, prefix: str, callback: Callable[[Any], None], deletes_only: bool = False
-    ) -> int:
-        filters = [etcdrpc.WatchCreateRequest.NOPUT] if deletes_only else None
-        return int(self._client.add_watch_prefix_callback(prefix, callback, filters=filters))
+    def _add_watch(self, prefix: str, callback: Callable[[Any], None]) -> int:
+        return int(self._client.add_watch_prefix_callback(prefix, callback))
 
     def _cancel_watch(self, watch_id: int) -> None:
         self._client.cancel_watch(watch_id)
@@ -458,11 +473,8 @@ class _Watch:
     poll as well, so a missed event only costs them one poll interval.
     """
 
-    def __init__(
-        self, kv: EtcdKV, prefix: str, callback: Callable[[], None], *, deletes_only: bool = False
-    ) -> None:
+    def __init__(self, kv: EtcdKV, prefix: str, callback: Callable[[], None]) -> None:
         self._kv = kv
-        self._deletes_only = deletes_only
         self._prefix = prefix
         self._callback = callback
         self._watch_id: int | None = None
@@ -470,7 +482,7 @@ class _Watch:
 
     def arm(self) -> None:
         try:
-            self._watch_id = self._kv._add_watch(self._prefix, self._relay, self._deletes_only)
+            self._watch_id = self._kv._add_watch(self._prefix, self._relay)
         except Exception:  # noqa: BLE001 - thread boundary: log and retry later
             logger.debug("watch on %s not armed; retrying", self._prefix, exc_info=True)
             self._rearm_later()

@@ -38,6 +38,8 @@ class Get:
 
     key: str
     prefix: bool = False
+    limit: int = 0
+    """At most this many keys (0: all): enough to learn whether any exist."""
 
 
 TxnOp = Put | Get
@@ -115,12 +117,8 @@ class KVStore(Protocol):
 
     def revoke_lease(self, lease_id: int) -> None: ...
 
-    def on_change(
-        self, prefix: str, callback: Callable[[], None], *, deletes_only: bool = False
-    ) -> Callable[[], None]:
+    def on_change(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback`` (from another thread) after any write under ``prefix``.
-
-        With ``deletes_only``, only after deletions (a lease expiring, a node leaving).
 
         Returns a function that cancels the watch. A broken watch (store restarted)
         calls ``callback`` once more and then stays silent; callers also poll.

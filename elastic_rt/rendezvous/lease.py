@@ -5,6 +5,10 @@ client. If the keeper cannot renew for ``ttl - margin`` seconds, the others may
 already have declared this node dead, so it calls ``on_fenced`` *before* the TTL
 runs out: the agent stops its workers, and a cut-off node never trains on alone.
 When the store answers again, the node registers afresh on a new lease.
+
+How a node registers on a lease is its caller's (the agent joins with one
+transaction that also reads the run, agents/run_watch.py); the keeper only owns
+the lease.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class LeaseKeeper:
         ttl: lease time-to-live; etcd grants whole seconds, so a fraction rounds up.
         on_fenced: called from the keeper thread when renewal has failed for
             ``ttl - margin`` seconds, or the lease was found expired.
-        on_registered: called after each (re-)registration with the new lease id.
+        register: registers the node on a new lease (its id), at start and after
+            each fence; a store error it raises is retried at the next renewal.
         rejoin: register afresh by itself once the store answers after a fence; False:
             stop at the fence, and the owner registers again when it is ready (an agent
             whose workers must start first, see ``agents.policy.RejoinInStandby``).
@@ -45,7 +50,7 @@ class LeaseKeeper:
         ttl: timedelta,
         *,
         on_fenced: Callable[[str], None],
-        on_registered: Callable[[int], None] | None = None,
+        register: Callable[[int], None],
         rejoin: bool = True,
     ) -> None:
         self.registry = registry
@@ -53,7 +58,7 @@ class LeaseKeeper:
         self.ttl = ttl.total_seconds()
         self.margin = min(1.0, self.ttl / 3)
         self.on_fenced = on_fenced
-        self.on_registered = on_registered
+        self.register = register
         self.rejoin = rejoin
         self.lease_id: int | None = None
         self.is_fenced = False
@@ -68,11 +73,9 @@ class LeaseKeeper:
 
     def _register(self) -> None:
         self.lease_id = self.registry.kv.grant_lease(max(1, math.ceil(self.ttl)))
-        self.registry.register(self.info, self.lease_id)
+        self.register(self.lease_id)
         self._last_renewed = time.monotonic()
         self.is_fenced = False
-        if self.on_registered:
-            self.on_registered(self.lease_id)
 
     def _run(self) -> None:
         interval = max(0.2, self.ttl / 4)

@@ -2,25 +2,28 @@
 
 Key layout under ``/elastic_rt/<run_id>/``:
 
-==================  ===========================================================
-``nodes/<node>``    :class:`NodeInfo` on the node's lease (gone when it dies)
-``round``           the current :class:`Round`; its mod_revision is the token
-``round-leader``    the node that proposes rounds, on its lease (see election.py);
-                    under the ``round`` prefix so one watch shows followers both
-``store/<k>``       ``host:port`` of round k's c10d store, written by its host
-``restarts``        worker failures so far (the job-wide restart budget)
-``failure/<k>``     the first worker failure reported in round k
-``alarm``           a worker saw a collective fail; agents probe their peers
-``completing``      some node's workers all succeeded; no more rounds
-``in_process``      the workers recover in place: a joining node starts its workers
-                    before it registers, so admitting it stalls nobody
-``closed``          why the job ended (finished or failed); agents exit
-``checkpoint``      name of the last committed checkpoint, written fenced
-``max_restarts``    the job's restart budget, written by every agent at start
-``layout``          JSON ``{"round", "layout"}`` of the current round, rank 0, fenced
-``progress``        JSON ``{"round", "step", "steps_per_s", "ms"}``, rank 0, fenced
-``root_cause``      the last failure's :class:`~elastic_rt.root_cause.RootCause`
-==================  ===========================================================
+====================  ===========================================================
+``nodes/<node>``      :class:`NodeInfo` on the node's lease (gone when it dies)
+``round``             the current :class:`Round`; its mod_revision is the token
+``round-leader``      the node that proposes rounds, on its lease (see election.py)
+``round-alarm``       a worker saw a collective fail; agents probe their peers
+``round-completing``  some node's workers all succeeded; no more rounds
+``round-in-process``  the workers recover in place: a joining node starts its workers
+                      before it registers, so admitting it stalls nobody
+``round-closed``      why the job ended (finished or failed); agents exit
+``store/<k>``         ``host:port`` of round k's c10d store, written by its host
+``restarts``          worker failures so far (the job-wide restart budget)
+``failure/<k>``       the first worker failure reported in round k
+``checkpoint``        name of the last committed checkpoint, written fenced
+``max_restarts``      the job's restart budget, written by every agent at start
+``layout``            JSON ``{"round", "layout"}`` of the current round, rank 0, fenced
+``progress``          JSON ``{"round", "step", "steps_per_s", "ms"}``, rank 0, fenced
+``root_cause``        the last failure's :class:`~elastic_rt.root_cause.RootCause`
+====================  ===========================================================
+
+Every key a node's decisions read, except the registrations, starts with ``round``:
+one watch on that prefix keeps a follower current (election.py), and it never
+hears of the N registrations, which only the leader watches.
 
 Two run ids never share a key, so two jobs on one etcd never see each other.
 """
@@ -38,9 +41,14 @@ from elastic_rt.rendezvous.kv import Get, KeyValue, KVStore, Put
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
 from elastic_rt.root_cause import RootCause
 
+ROUND = "round"
 LEADER = "round-leader"
-FOLLOWED = ("round", LEADER, "closed", "completing", "alarm", "in_process")
-"""The keys a follower's decisions read: everything but the registrations."""
+ALARM = "round-alarm"
+COMPLETING = "round-completing"
+IN_PROCESS = "round-in-process"
+CLOSED = "round-closed"
+FOLLOWED = ROUND
+"""The prefix of the keys a follower's decisions read: everything but the registrations."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +61,7 @@ class Joined:
     """The store's revision the reads were taken at: watch from the next one."""
     items: dict[str, KeyValue]
     """Keys by name relative to the run's prefix: the whole run for a leader, else
-    the :data:`FOLLOWED` keys that exist."""
+    the keys under :data:`FOLLOWED`."""
 
 
 def node_from(item: KeyValue) -> NodeInfo:
@@ -70,16 +78,16 @@ def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
     if nodes is None:
         nodes = {info.node_id: info for info in
                  (node_from(item) for name, item in items.items() if name.startswith("nodes/"))}
-    round_kv = items.get("round")
-    closed = items.get("closed")
-    alarm = items.get("alarm")
+    round_kv = items.get(ROUND)
+    closed = items.get(CLOSED)
+    alarm = items.get(ALARM)
     return Snapshot(
         round=(Round.from_json(round_kv.value, token=round_kv.mod_revision)
                if round_kv else None),
         nodes=nodes,
         closed=closed.value.decode() if closed else None,
-        completing="completing" in items,
-        in_process="in_process" in items,
+        completing=COMPLETING in items,
+        in_process=IN_PROCESS in items,
         alarm=(int(json.loads(alarm.value)["round"]), alarm.mod_revision) if alarm else None,
         nodes_known=nodes_known,
     )
@@ -113,6 +121,22 @@ class RunRegistry:
         """Revoke a dead node's lease so its key (and anything else on it) goes now."""
         self.kv.revoke_lease(info.lease)
 
+    def preview(self) -> Snapshot:
+        """The run as a node about to join needs it, in one small read.
+
+        The keys under :data:`FOLLOWED`, and whether any node is registered, not the
+        registrations themselves (each of N joining nodes reading N of them made a
+        job's start O(N^2)): ``nodes_known`` only when none is, and ``nodes`` empty.
+        """
+        result = self.kv.txn({}, [Get(self.key(FOLLOWED), prefix=True),
+                                  Get(self.key("nodes/"), prefix=True, limit=1)])
+        followed, anyone = result.reads
+        return snapshot_from({kv.key[len(self.prefix):]: kv for kv in followed},
+                             nodes_known=not anyone, nodes={})
+
+    def is_registered(self, node_id: str) -> bool:
+        return self.kv.get(self.key(f"nodes/{node_id}")) is not None
+
     def snapshot(self) -> Snapshot:
         # One range read of the whole run: O(nodes) per poll, one round trip.
         return snapshot_from({kv.key[len(self.prefix):]: kv
@@ -123,35 +147,39 @@ class RunRegistry:
         """Register ``info`` on ``lease``; become leader if there is none.
 
         One round trip: the leader gets the whole run (registrations included), a
-        follower only the :data:`FOLLOWED` keys, as of the same revision.
+        follower only the keys under :data:`FOLLOWED`, as of the same revision.
         """
         register = Put(self.key(f"nodes/{info.node_id}"), info.to_json(), lease)
         return self._claim(info.node_id, lease, [register])
 
-    def claim_leadership(self, node_id: str, lease: int) -> Joined:
-        """Take the leader key if it is free (the leader's lease ended)."""
-        return self._claim(node_id, lease, [])
+    def claim_leadership(self, node_id: str, lease: int, *, held: int = 0) -> Joined:
+        """Take the leader key if it is free (the leader's lease ended).
 
-    def _claim(self, node_id: str, lease: int, writes: list[Put]) -> Joined:
+        ``held``: the leader key's revision when this node holds it and reads the run
+        afresh (its watch broke); the claim then succeeds while the key is still its own.
+        """
+        return self._claim(node_id, lease, [], held=held)
+
+    def _claim(self, node_id: str, lease: int, writes: list[Put], *, held: int = 0) -> Joined:
         leader = self.key(LEADER)
         result = self.kv.txn(
-            {leader: 0},
+            {leader: held},
             [Put(leader, node_id.encode(), lease), *writes, Get(self.prefix, prefix=True)],
-            [*writes, *(Get(self.key(name)) for name in FOLLOWED)],
+            [*writes, Get(self.key(FOLLOWED), prefix=True)],
         )
         items = {kv.key[len(self.prefix):]: kv for read in result.reads for kv in read}
         return Joined(result.succeeded, result.revision, items)
 
     def current_round(self) -> Round | None:
-        item = self.kv.get(self.key("round"))
+        item = self.kv.get(self.key(ROUND))
         return Round.from_json(item.value, token=item.mod_revision) if item else None
 
     def propose(self, proposal: Propose) -> Round | None:
         """Write the proposed round; None when another proposer won."""
         token = self.kv.put_if(
-            self.key("round"),
+            self.key(ROUND),
             proposal.round.to_json(),
-            expect={self.key("round"): proposal.expected_token},
+            expect={self.key(ROUND): proposal.expected_token},
         )
         if token is None:
             return None
@@ -190,19 +218,19 @@ class RunRegistry:
 
     def raise_alarm(self, round_number: int, reporter: str) -> None:
         payload = {"round": round_number, "reporter": reporter, "ms": int(time.time() * 1000)}
-        self.kv.put(self.key("alarm"), json.dumps(payload).encode())
+        self.kv.put(self.key(ALARM), json.dumps(payload).encode())
 
     def mark_in_process(self) -> None:
-        self.kv.put(self.key("in_process"), b"1")
+        self.kv.put(self.key(IN_PROCESS), b"1")
 
     def mark_completing(self) -> None:
-        self.kv.put(self.key("completing"), b"1")
+        self.kv.put(self.key(COMPLETING), b"1")
 
     def close(self, reason: str) -> None:
-        self.kv.put_if(self.key("closed"), reason.encode(), expect={self.key("closed"): 0})
+        self.kv.put_if(self.key(CLOSED), reason.encode(), expect={self.key(CLOSED): 0})
 
     def closed_reason(self) -> str | None:
-        item = self.kv.get(self.key("closed"))
+        item = self.kv.get(self.key(CLOSED))
         return item.value.decode() if item else None
 
     def publish_max_restarts(self, budget: int) -> None:
@@ -237,7 +265,7 @@ class RunRegistry:
         Raises:
             FencedOutError: a newer round exists; the writer belongs to an old one.
         """
-        revision = self.kv.put_if(self.key(name), value, expect={self.key("round"): token})
+        revision = self.kv.put_if(self.key(name), value, expect={self.key(ROUND): token})
         if revision is None:
             raise FencedOutError(
                 f"commit of {name!r} refused: round token {token} is no longer current"

@@ -13,7 +13,11 @@ Rules:
 - The first round forms when ``max_nodes`` are registered, or when ``min_nodes``
   have been registered for ``last_call`` seconds.
 - A round whose member is gone is replaced at once by the survivors plus any
-  waiting nodes (up to ``max_nodes``), if at least ``min_nodes`` remain.
+  waiting nodes (up to ``max_nodes``). If fewer than ``min_nodes`` remain, that
+  round is a *paused* one: it has fewer than ``min_nodes`` members, so nobody runs
+  workers in it, and it is replaced as soon as ``min_nodes`` are there again. It is
+  written rather than left to each node to infer because only the leader sees the
+  registrations: the round is how followers learn to stop their workers.
 - Waiting nodes are taken in at once while the round has fewer than ``max_nodes``.
 - Survivors keep their relative order, so their ranks move as little as possible.
 - A node that does not see the registrations (``Snapshot.nodes_known`` false: a
@@ -191,7 +195,7 @@ def decide(
             return Participate(current)
         return Closed("the job is finishing")
     if not snapshot.nodes_known:
-        return _follow(current, me)
+        return _follow(current, me, limits)
     if current is None:
         return _first_round(snapshot, limits, now=now, quorum_since=quorum_since, now_ms=now_ms)
 
@@ -199,28 +203,40 @@ def decide(
     lost = [m for m in current.members if m not in alive]
     waiting = _waiting(snapshot)
     i_am_member = me in current.members
-    if not lost and (not waiting or len(current.members) >= limits.max_nodes):
+    paused = is_paused(current, limits)
+    if not paused and not lost and (not waiting or len(current.members) >= limits.max_nodes):
         if i_am_member:
             return Participate(current)
         return Wait("round is full; waiting as a spare")
     members = next_members(current, snapshot.nodes, limits.max_nodes)
+    short = f"{len(members)} of at least {limits.min_nodes} nodes left"
     if len(members) < limits.min_nodes:
-        return Wait(
-            f"{len(members)} of at least {limits.min_nodes} nodes left",
-            stop_workers=i_am_member,
-        )
+        if paused:
+            return Wait(f"paused: {short}", stop_workers=i_am_member)
+        return Propose(_make_round(current.number + 1, members, snapshot.nodes,
+                                   f"paused: {short}", now_ms), expected_token=current.token)
     admitting = ",".join(n.node_id for n in waiting)
     reason = f"lost {','.join(lost)}" if lost else f"admitting {admitting}"
+    if paused:
+        reason = f"resumed with {len(members)} nodes"
     return Propose(
         _make_round(current.number + 1, members, snapshot.nodes, reason, now_ms),
         expected_token=current.token,
     )
 
 
-def _follow(current: Round | None, me: str) -> Action:
+def is_paused(round_: Round, limits: Limits) -> bool:
+    """A round with fewer than ``min_nodes`` members: the job waits for more nodes."""
+    return len(round_.members) < limits.min_nodes
+
+
+def _follow(current: Round | None, me: str, limits: Limits) -> Action:
     """A follower's whole rule: the leader forms rounds, the follower takes its place."""
     if current is None:
         return Wait("waiting for the leader to form the first round")
+    if is_paused(current, limits):
+        return Wait(f"paused: {len(current.members)} of at least {limits.min_nodes} nodes",
+                    stop_workers=me in current.members)
     if me in current.members:
         return Participate(current)
     return Wait("waiting for the leader to admit this node")

@@ -1,19 +1,28 @@
-"""Keep a long training process's heap from growing with fragmentation, at no speed cost.
+"""Keep a long training process's heap near its working set, at no speed cost.
 
 glibc adapts two thresholds as a program runs: after the first large block it frees, it
 serves blocks of up to 32 MiB from the heap instead of ``mmap`` (fast: no page faults for
 each new tensor), and it raises the trim threshold to twice that, so up to 64 MiB of free
 memory at the top of each heap is kept rather than returned. With gradients, optimizer
 temporaries and loader batches freed in a different order on several threads, that kept
-memory piles up. Pinning the mmap threshold at 32 MiB keeps the fast heap path and stops
-the adaptation, so the trim threshold stays at its 128 KiB default.
+memory piles up. Two measures, both glibc-only and both left to the user who tunes glibc
+through its ``MALLOC_*_`` variables:
 
-Measured on the 16.8M-parameter MLP of ``scripts/bench/overhead.py`` (2 workers, 100 steps,
-quiet 2-core box): glibc's default 1225-1555 MiB peak RSS per worker, pinned at 32 MiB
-1012-1016 MiB at the same step time (210 ms); pinned at 1 MiB (every tensor from ``mmap``)
-665 MiB but 50-70 ms slower per step, and ``malloc_trim`` after every step 775-790 MiB but
-55 ms slower. torch's own advice for the symptom is another allocator (jemalloc,
-tcmalloc); this needs no extra library.
+- :func:`pin_mmap_threshold` pins the mmap threshold at 32 MiB: the fast heap path stays,
+  the adaptation stops, and the trim threshold stays at its 128 KiB default.
+- :class:`HeapTrimmer` returns the heap's free pages (``malloc_trim``) when the process
+  has grown past the size it settled at by more than a margin. Free chunks *inside* the
+  heap, below a live block, are never returned by glibc on its own; which chunks end up
+  there depends on thread timing, so on a loaded machine a worker's RSS crept from 850 to
+  1370 MiB over 100 steps while its live memory stayed the same.
+
+Measured on the 16.8M-parameter MLP of ``scripts/bench/overhead.py`` (2 workers, 100
+steps): glibc's default 1225-1555 MiB peak RSS per worker; mmap threshold pinned at 32 MiB
+1012-1016 MiB quiet but up to 1336-1431 MiB at load average 6-14; pinned plus the trimmer
+(64 MiB margin) 888 MiB at load 19 with one to five trims in 100 steps. Trimming after
+every step instead costs 55 ms a step (every page of the step's temporaries is faulted
+back in), as does an mmap threshold of 1 MiB (50-70 ms); torch's own advice for the
+symptom is another allocator (jemalloc, tcmalloc), which needs an extra library.
 """
 
 from __future__ import annotations
@@ -22,27 +31,85 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
+
+import psutil
 
 logger = logging.getLogger(__name__)
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc's own adaptation reaches (64-bit)
-_USER_SETTING_ENV = "MALLOC_MMAP_THRESHOLD_"
+_USER_SETTINGS_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def _glibc() -> Any | None:
+    """The C library, when it is glibc and the user left its tuning to us."""
+    if any(name in os.environ for name in _USER_SETTINGS_ENV):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
+        return None  # not glibc (musl, macOS): nothing to tune
+    return libc
 
 
 def pin_mmap_threshold() -> bool:
     """Stop glibc from adapting its mmap and trim thresholds for the rest of this process.
 
-    Does nothing when the user chose a threshold (``MALLOC_MMAP_THRESHOLD_``) or the C
-    library is not glibc. Returns whether the threshold was set.
+    Returns whether the threshold was set (not on other C libraries, nor when the user
+    set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``).
     """
-    if _USER_SETTING_ENV in os.environ:
+    libc = _glibc()
+    if libc is None:
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False  # not glibc (musl, macOS): nothing to tune
-    is_set = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    is_set = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
     logger.debug("malloc mmap threshold pinned at %d bytes: %s", MMAP_THRESHOLD_BYTES, is_set)
     return is_set
+
+
+def _resident_bytes(process: psutil.Process) -> Callable[[], int]:
+    return lambda: int(process.memory_info().rss)
+
+
+class HeapTrimmer:
+    """Called after every step; trims the heap when RSS outgrows the settled size.
+
+    The settled size is the RSS after the first step, and again one step after each trim
+    (the step's temporaries faulted back in), so a working set that truly grows costs one
+    trim per ``margin`` of growth, not one per step.
+
+    Args:
+        min_margin_bytes: growth tolerated before a trim, at least...
+        margin_fraction: ...or this fraction of the settled size, whichever is larger.
+        rss: reads the resident set size (bytes); ``trim`` returns free heap pages. Both
+            default to the real ones; a trimmer on a C library other than glibc does nothing.
+    """
+
+    def __init__(self, *, min_margin_bytes: int = 64 << 20, margin_fraction: float = 1 / 16,
+                 rss: Callable[[], int] | None = None,
+                 trim: Callable[[], object] | None = None) -> None:
+        libc = _glibc() if trim is None else None
+        self._trim = trim if trim is not None else (lambda: libc.malloc_trim(0)) if libc else None
+        self._rss = rss or _resident_bytes(psutil.Process())
+        self.min_margin, self.margin_fraction = min_margin_bytes, margin_fraction
+        self.settled: int | None = None
+        self.trims = 0
+
+    def after_step(self) -> bool:
+        """Trim if the process grew past its settled size by the margin; return whether."""
+        if self._trim is None:
+            return False
+        rss = self._rss()
+        if self.settled is None:
+            self.settled = rss
+            return False
+        if rss <= self.settled + max(self.min_margin, int(self.settled * self.margin_fraction)):
+            return False
+        self._trim()
+        self.trims += 1
+        self.settled = None  # re-measured after the next step
+        logger.debug("heap trimmed (%d so far): RSS was %d MiB", self.trims, rss >> 20)
+        return True

@@ -9,6 +9,10 @@ before a retried step. Batches prefetched for the old split are dropped with the
 iterator, so no sample is lost or repeated. Persistent workers survive the reset: only
 the index stream restarts, not the worker processes.
 
+Batches are collated on the CPU; :func:`to_device` moves each one to the model's device
+just before the user's step (the step runs where the model is: ``cuda:LOCAL_RANK`` when
+the model was built there). With ``pin_memory`` the copy is asynchronous.
+
 Not supported: iterable-style datasets. Their order is the dataset's own, so the runtime
 cannot re-split what is left of it among a new set of ranks; :func:`check_dataset`
 refuses them with the alternative.
@@ -64,6 +68,30 @@ def check_dataset(dataset: Any) -> None:
             "iterable dataset's order cannot be re-split when the world changes",
             "Pass a map-style dataset, e.g. index your shards so dataset[i] returns sample i.",
         )
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it on ``device`` (nested dicts, lists, tuples).
+
+    Other values are kept as they are, and so is everything when ``device`` is the CPU
+    (the tensors are already there). A CUDA copy is ``non_blocking``: ordered on the
+    current stream before the step's kernels, and asynchronous from pinned memory.
+    """
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        moved = {k: to_device(v, device) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)
+        except TypeError:  # a mapping that cannot be built from a dict (defaultdict)
+            return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 
 
 class MapDataset(Protocol):

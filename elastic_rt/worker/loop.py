@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from elastic_rt.accelerator import use_worker_device
 from elastic_rt.checkpoint import Checkpointer
 from elastic_rt.config import DEFAULT_REFORM_TIMEOUT, ERROR_FILE_ENV, WorkerEnv
 from elastic_rt.errors import (
@@ -90,7 +91,7 @@ from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.root_cause import write_error_file
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.worker.allocator import pin_mmap_threshold
+from elastic_rt.worker.allocator import HeapTrimmer, pin_mmap_threshold
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
@@ -216,6 +217,7 @@ class _ElasticLoop:
         self.max_failed_steps, self.reform_timeout = max_failed_steps, reform_timeout
         self.seed = seed
         self.env = WorkerEnv.from_env()
+        use_worker_device(self.env.local_rank)  # cuda:LOCAL_RANK is current before build runs
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
         self.follower = RoundFollower(self.env) if self.env.is_elastic else None
@@ -233,6 +235,7 @@ class _ElasticLoop:
         self.store: dist.Store | None = None
         self.progress = Progress()
         self.clock = StepClock()
+        self.heap = HeapTrimmer()
         self.watchdog = HangWatchdog(self.clock, self.env.hang_factor, self._report_stall)
         self.publisher = ProgressPublisher(self.follower.registry) if self.follower else None
         if checkpoint is not None and self.follower is not None:
@@ -442,6 +445,7 @@ class _ElasticLoop:
             self.events.emit("step.resumed", round=self.ctx.round, step=step,
                              downtime_ms=int(downtime * 1000), world_size=self.ctx.world_size)
             self.progress.failed_at = None
+        self.heap.after_step()
         self._publish_progress()
         extra = {} if global_loss is None else {"global_loss": global_loss}
         self.events.emit("step.completed", round=self.ctx.round, step=step,

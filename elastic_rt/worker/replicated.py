@@ -5,8 +5,10 @@ module does the rest the way a careful torchrun + DDP script does: backward per
 micro-batch with the gradients summed over the data-parallel group during the last
 backward (see ``grad_sync``), optional autocast with a ``GradScaler`` for float16,
 clipping by global norm after the average (and after unscaling), the optimizer step and
-the scheduler step. Every rank's loss is weighted by its share of the global batch, so
-the update equals the one-rank update on the whole global batch for any split.
+the scheduler step. Each micro-batch is moved to the model's device first (the device of
+its first parameter), so a model built on ``cuda:LOCAL_RANK`` gets CUDA batches. Every
+rank's loss is weighted by its share of the global batch, so the update equals the
+one-rank update on the whole global batch for any split.
 
 The scaler's state belongs to the runtime, not to ``TrainState``: it travels with the
 rest of the state when a survivor restores a newcomer, and into checkpoints.
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_rt.errors import ConfigError
+from elastic_rt.worker.batches import to_device
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradientBuckets, GradSync
@@ -69,8 +72,8 @@ class ReplicatedStep:
 
     def __init__(self, state: TrainState, step_fn: StepFn, options: StepOptions) -> None:
         self.state, self.step_fn, self.options = state, step_fn, options
-        device = next(state.model.parameters()).device
-        self.device_type = device.type
+        self.device = next(state.model.parameters()).device
+        self.device_type = self.device.type
         is_fp16 = options.autocast_dtype == torch.float16
         self.scaler = torch.amp.GradScaler(self.device_type) if is_fp16 else None
         self.buckets: GradientBuckets | None = None
@@ -100,7 +103,7 @@ class ReplicatedStep:
             self.buckets.begin(is_last_backward=i == len(micro_batches) - 1)
             with user_code(rank=rank, step=step):
                 with self._autocast():
-                    loss = self.step_fn(self.state, batch)
+                    loss = self.step_fn(self.state, to_device(batch, self.device))
                 weight = size / global_len  # the sum over ranks is the global mean
                 scaled = loss * weight
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()

@@ -1,8 +1,9 @@
 """Rendezvous at scale: N simulated nodes form one round, lose one, admit one; torch c10d beside.
 
 elastic-rt's nodes run in a swarm (agents/swarm.py): every node is a coroutine with
-its own lease, key and keep-alive that runs the agent's own decisions
-(agents/policy.py), and its etcd calls go through a few shared clients, so 1024
+its own lease, key and keep-alive that runs the agent's own code path (it follows the
+run through agents/run_watch.py and decides with agents/policy.py, as
+agents/agent.py does), and its etcd calls go through a few shared clients, so 1024
 nodes fit on two cores. Each phase is timed from its event (all nodes start; one
 node's lease is revoked, as an agent evicts a peer whose liveness socket refuses;
 one node starts) to every node holding the new round. Operations are the calls the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import threading
 import time
@@ -38,16 +40,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from agents.swarm import SwarmNode
-from agents.swarm_elected import ElectedSwarmNode
 from agents.swarm_run import HarnessBound, SwarmReport, run_swarm
 
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.testing import OpCounter
-
-PROTOCOLS: dict[str, type[SwarmNode]] = {"elected": ElectedSwarmNode, "agent": SwarmNode}
-"""``elected``: one leader proposes, followers watch (election.py); ``agent``: every
-node reads the run and races to propose, as agents/agent.py does today."""
 
 
 @dataclass(frozen=True)
@@ -113,24 +109,21 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--clients", type=int, default=16, help="shared etcd channels")
     parser.add_argument("--workers", type=int, default=64, help="threads for blocking calls")
-    parser.add_argument("--agent-max", type=int, default=128,
-                        help="largest N for the agent protocol (O(N^2) reads)")
     parser.add_argument("--torch-max", type=int, default=128)
     parser.add_argument("--torch-timeout", type=float, default=60.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
+    print(f"load average before: {_load()}", flush=True)
     reports: dict[tuple[str, int], SwarmReport] = {}
     torch_trials: dict[int, TorchTrial] = {}
     with EtcdServer() as etcd:
         for n in args.nodes:
-            for name, node_class in PROTOCOLS.items():
-                if name == "agent" and n > args.agent_max:
-                    continue
-                report = asyncio.run(run_swarm(etcd.endpoint, n, node_class=node_class,
-                                               clients=args.clients, workers=args.workers))
-                reports[(name, n)] = report
-                _print_details(f"{name} n={n}", report)
+            report = asyncio.run(run_swarm(etcd.endpoint, n, clients=args.clients,
+                                           workers=args.workers))
+            reports[("agent", n)] = report
+            _print_details(f"agent n={n}", report)
+            print(f"load average: {_load()}", flush=True)
         server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
         for n in (n for n in args.nodes if n <= args.torch_max):
             torch_trials[n] = torch_c10d_round(server, n, args.torch_timeout)
@@ -149,6 +142,10 @@ def _print_details(label: str, report: SwarmReport) -> None:
               + " ".join(f"{k} {v:.2f} s" for k, v in phase.milestones.items()))
     print(f"{label:<16} keep-alives {report.lease_refresh_per_s:.0f}/s; "
           f"{report.load.summary()}", flush=True)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _int(counts: dict[str, float]) -> dict[str, int]:

@@ -52,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stall-at-step", type=int, default=None,
                    help="rank 1 stalls in its step here for --stall-seconds (a hang report)")
     p.add_argument("--stall-seconds", type=float, default=3.0)
+    p.add_argument("--device", choices=["cpu", "worker"], default="cpu",
+                   help="where the model is built: the CPU, or elastic_rt.worker_device() "
+                        "(cuda:LOCAL_RANK when CUDA is present)")
     p.add_argument("--hook-count", default=None,
                    help="rank 0 writes how often its optimizer's step hooks ran here")
     return p.parse_args()
@@ -67,6 +70,8 @@ def main() -> None:
         model = torch.nn.Sequential(
             torch.nn.Linear(args.width, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
         )
+        if args.device == "worker":
+            model = model.to(ert.worker_device())  # before the optimizer takes its parameters
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         optimizer.register_step_post_hook(lambda *_: hook_calls.append(1))
         # the runtime steps the scheduler once per optimizer step and restores its state

@@ -185,6 +185,8 @@ class KVStoreContract:
         assert not second.succeeded
         assert [i.value for i in second.reads[0]] == [b"me"] and second.reads[1] == []
         assert second.revision == first.revision  # nothing written
+        limited = kv.txn({}, [Get(prefix + "n/", prefix=True, limit=1)])
+        assert [i.key for i in limited.reads[0]] == [prefix + "n/a"]
 
     def test_watch_changes_delivers_values_and_deletes_from_a_revision(
         self, kv: KVStore, prefix: str

@@ -22,6 +22,7 @@ import pytest
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.registry import CLOSED, LEADER
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import TORCHRUN_SCRIPT, events, launch_args, progress
 
@@ -185,7 +186,7 @@ def test_a_sigkilled_worker_with_no_restart_budget_stops_every_agent_with_an_err
 
     codes = job.wait_all(60)
     assert all(code not in (0, None) for code in codes.values()), codes
-    closed = kv.get(f"/elastic_rt/{job.run_id}/closed")
+    closed = kv.get(f"/elastic_rt/{job.run_id}/{CLOSED}")
     assert closed is not None and closed.value.decode().startswith("failed")
     for name in ("a", "b"):
         errors = [line for line in job.log(name).splitlines() if " ERROR " in line]
@@ -251,6 +252,52 @@ def test_sigkill_of_the_agent_alone_takes_its_workers_within_two_seconds(
     lost = [e.metadata["lost"] for e in events(job.events_file) if e.name == "node.lost"]
     assert lost == ["b"]
     job.assert_nothing_left()
+
+
+def test_sigkill_of_the_leader_while_the_first_round_forms_leaves_the_others_to_form_it(
+    job_factory, kv: EtcdKV
+) -> None:
+    # The first node to register proposes rounds; the others only watch the round keys.
+    # Its lease (3 s) takes the leader key with it, and one of the others takes over.
+    job = job_factory(nnodes="3", steps=6, step_time=0.05)
+    prefix = f"/elastic_rt/{job.run_id}/"
+
+    def leader() -> bytes | None:
+        item = kv.get(prefix + LEADER)
+        return item.value if item else None
+
+    first = job.start("a")
+    wait_until(lambda: leader() == b"a", 60, "a to lead")
+    job.start("b")
+    wait_until(lambda: kv.get(prefix + "nodes/b") is not None, 60, "b to register")
+    os.killpg(first.pid, signal.SIGKILL)  # agent only: no round yet, so no workers
+    job.start("c")
+    job.start("d")
+
+    codes = job.wait_all(150)
+    assert codes == {"a": -signal.SIGKILL, "b": 0, "c": 0, "d": 0}, codes
+    _assert_finished(job, 3)
+    formed = [e for e in events(job.events_file) if e.name == "round.formed"]
+    assert [sorted(e.metadata["members"]) for e in formed] == [["b", "c", "d"]]
+    assert formed[0].node in ("b", "c", "d")
+    job.assert_nothing_left()
+
+
+def test_a_join_timeout_names_how_many_nodes_came_on_the_leader_and_a_follower(
+    job_factory, kv: EtcdKV
+) -> None:
+    # Only the leader holds the registrations; a follower counts them for its message.
+    job = job_factory(nnodes="3", steps=6)
+    leader_key = f"/elastic_rt/{job.run_id}/{LEADER}"
+    job.start("a", "--join-timeout", "20")
+    wait_until(lambda: kv.get(leader_key) is not None, 60, "a to lead")
+    job.start("b", "--join-timeout", "3")  # gives up while the leader is still there
+    codes = job.wait_all(60)
+    assert all(code not in (0, None) for code in codes.values()), codes
+    assert "only 2 of 3 nodes joined run" in job.log("b"), job.log("b")
+    assert "only 1 of 3 nodes joined run" in job.log("a"), job.log("a")  # b had left
+    assert not [line for name in "ab" for line in job.log(name).splitlines()
+                if line.startswith("Traceback")]
 
 
 def test_two_run_ids_on_one_etcd_do_not_interfere(job_factory, run_id: str) -> None:

@@ -19,6 +19,7 @@ from elastic_rt.errors import ConfigError, StoreError
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
+from elastic_rt.rendezvous.kv import Get, Put
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, launch_args
 
@@ -83,6 +84,28 @@ def test_a_client_survives_the_loss_of_the_member_it_uses(
         cancel()
     finally:
         kv.close()
+
+
+def test_transactions_and_batched_keep_alives_fail_over_like_the_other_calls(
+        etcd_cluster: list[EtcdServer]) -> None:
+    # Both call etcd's stubs directly (the rendezvous joins and claims the leadership
+    # in one transaction); a member that stops answering must be benched for them too.
+    kv, keeper = EtcdKV(_endpoints(etcd_cluster)), EtcdKV(_endpoints(etcd_cluster))
+    try:
+        lease = kv.grant_lease(10)
+        victim = _in_use(kv, etcd_cluster)
+        keeper._client._current_endpoint_label = victim.endpoint  # both on the victim
+        victim.kill()
+
+        result = _retrying(lambda: kv.txn({"/cluster/t": 0},
+                                          [Put("/cluster/t", b"1"), Get("/cluster/t")]))
+        assert _in_use(kv, etcd_cluster) is not victim
+        assert result.succeeded and result.reads[0][0].value == b"1"
+        assert _retrying(lambda: keeper.refresh_leases([lease])) == [True]
+        assert _in_use(keeper, etcd_cluster) is not victim
+    finally:
+        kv.close()
+        keeper.close()
 
 
 @pytest.mark.slow

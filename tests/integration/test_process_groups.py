@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_rt.layout import Layout
-from elastic_rt.process_groups import destroy_groups, init_groups, pick_backend
+from elastic_rt.accelerator import GLOO, MIXED
+from elastic_rt.process_groups import abort_groups, destroy_groups, init_groups, pick_backend
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 pytestmark = pytest.mark.slow
@@ -117,4 +118,21 @@ def test_a_round_that_never_formed_leaves_nothing_behind() -> None:
 
 
 def test_pick_backend_is_nccl_only_with_cuda() -> None:
-    assert pick_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert pick_backend() == (MIXED if torch.cuda.is_available() else GLOO)
+
+
+def _abort_then_train_on(env: WorkerEnv) -> list[object]:
+    groups = _form(env, Layout(dp=2), 0)
+    aborted = abort_groups()  # a notice of a newer round; gloo groups are not NCCL's to abort
+    result: list[object] = [aborted, _allreduce_sum(env.rank + 1, groups.dp)]
+    destroy_groups(groups)
+    groups = _form(env, Layout(dp=2), 1)
+    result.append(_allreduce_sum(10 * (env.rank + 1), groups.world))
+    destroy_groups(groups)
+    return result
+
+
+def test_aborting_on_notice_leaves_gloo_groups_working_and_reformable() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the groups are NCCL's: scripts/device_check.py checks the abort")
+    assert run_workers(_abort_then_train_on, 2, timeout_s=60) == [[0, 3.0, 30.0]] * 2

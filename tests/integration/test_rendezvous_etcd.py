@@ -17,7 +17,7 @@ from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import WaitTimeout, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
-from elastic_rt.rendezvous.rounds import Limits, Round, Wait
+from elastic_rt.rendezvous.rounds import Closed, Limits, Round, Wait
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -125,3 +125,64 @@ def _eventually_waits(node: SimulatedNode, timeout: float = 10) -> bool:
         return wait_until(lambda: isinstance(node.last_action, Wait), timeout,
                           "the node to wait", interval=0.05)
     return False
+
+
+def test_the_first_round_forms_across_an_etcd_restart(fresh_etcd: EtcdServer, run_id: str
+                                                      ) -> None:
+    # Every watch breaks with the restart: each node reads the run again and watches on,
+    # so the leader still hears the third registration, made after the restart.
+    limits = Limits(min_nodes=3, max_nodes=3)
+    early = start_nodes(fresh_etcd.endpoint, run_id, ["a", "b"], limits)
+    late: list[SimulatedNode] = []
+    try:
+        wait_until(lambda: len(_registered(fresh_etcd, run_id)) == 2, 10, "a and b registered")
+        fresh_etcd.restart()
+        late = start_nodes(fresh_etcd.endpoint, run_id, ["c"], limits)
+        formed = agreed_round(early + late, lambda r: r.number == 0, timeout=20)
+        assert sorted(formed.members[:2]) == ["a", "b"] and formed.members[2] == "c"
+        assert sum(len(node.proposed) for node in early + late) == 1
+    finally:
+        stop_nodes(early + late)
+
+
+def test_below_min_the_round_pauses_everywhere_and_resumes_with_survivors_first(
+    start: Starter, run_id: str
+) -> None:
+    limits = Limits(min_nodes=3, max_nodes=4, last_call=0.3)
+    nodes = start(run_id, ["a", "b", "c"], limits)
+    first = agreed_round(nodes, lambda r: r.number == 0)
+    leader = next(n for n in nodes if n.watch.is_leader)
+    survivors = [n for n in nodes if n is not leader]
+    leader.stop()  # the leader leaves too: a follower takes over and pauses the round
+
+    def paused(node: SimulatedNode) -> bool:
+        action = node.last_action
+        return (isinstance(action, Wait) and action.stop_workers and "paused" in action.reason
+                and node.state.running is None)
+
+    wait_until(lambda: all(paused(n) for n in survivors), 10, "every survivor to pause")
+    late = start(run_id, ["d"], limits)
+    resumed = agreed_round(survivors + late, lambda r: "d" in r.members)
+    kept = tuple(m for m in first.members if m != leader.node_id)
+    assert resumed.members == (*kept, "d")  # survivors keep their relative ranks
+    assert resumed.reason == "resumed with 3 nodes"
+
+
+def test_a_closed_run_reaches_the_followers_through_their_one_watch(
+    start: Starter, etcd_kv: EtcdKV, run_id: str
+) -> None:
+    nodes = start(run_id, ["a", "b", "c"], Limits(min_nodes=3, max_nodes=3),
+                  member_poll=30.0)  # no periodic re-read: only the watch can wake them
+    agreed_round(nodes, lambda r: r.number == 0)
+    assert sum(node.watch.is_leader for node in nodes) == 1
+    RunRegistry(etcd_kv, run_id).close("failed: a user error")
+    wait_until(lambda: all(isinstance(n.last_action, Closed) for n in nodes), 10,
+               "every node to see the run closed")
+
+
+def _registered(etcd: EtcdServer, run_id: str) -> dict[str, object]:
+    kv = EtcdKV(etcd.endpoint)
+    try:
+        return dict(RunRegistry(kv, run_id).nodes())
+    finally:
+        kv.close()

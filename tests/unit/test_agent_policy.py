@@ -45,6 +45,8 @@ def round_of(*members: str, number: int = 1, token: int = 50) -> Round:
 R1 = round_of("a", "b", number=1)
 R2 = round_of("a", "b", "c", number=2, token=60)
 IN_R1 = Snapshot(round=R1, nodes=nodes("a", "b"))
+PAUSED_R2 = round_of("a", number=2, token=70)
+"""Fewer than min (2) members: the leader's way of telling every node to stop."""
 RUNNING_R1 = AgentState(phase=Phase.RUNNING, round=R1, ever_ran=True)
 FAIL = WorkerExit(local_rank=0, pid=7, exitcode=3)
 
@@ -110,11 +112,16 @@ CASES = [
     ("new round, a dead in-process worker: a failure", RUNNING_R1,
      observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")), WorkerState.FAILED, acks=(1,),
              exits=(FAIL,)), ["HandleFailure"], Phase.RUNNING),
-    ("peer lost below min: stop and wait", RUNNING_R1,
-     observe(Snapshot(round=R1, nodes=nodes("a"))), ["StopWorkers", "Sleep"], Phase.IDLE),
+    ("peer lost below min: the leader pauses the round", RUNNING_R1,
+     observe(Snapshot(round=R1, nodes=nodes("a"))), ["ProposeRound"], Phase.RUNNING),
+    ("a paused round: stop and wait", RUNNING_R1,
+     observe(Snapshot(round=PAUSED_R2, nodes=nodes("a"))), ["StopWorkers", "Sleep"], Phase.IDLE),
+    ("a paused round reaches a follower: stop and wait", RUNNING_R1,
+     observe(Snapshot(round=PAUSED_R2, nodes={}, nodes_known=False)), ["StopWorkers", "Sleep"],
+     Phase.IDLE),
     ("standby workers are not stopped while waiting", dataclasses.replace(
         RUNNING_R1, phase=Phase.STANDBY, round=dataclasses.replace(R1, number=-1)),
-     observe(Snapshot(round=R1, nodes=nodes("a"))), ["Sleep"], Phase.STANDBY),
+     observe(Snapshot(round=PAUSED_R2, nodes=nodes("a"))), ["Sleep"], Phase.STANDBY),
     ("standby admitted: follow", dataclasses.replace(
         RUNNING_R1, phase=Phase.STANDBY, round=dataclasses.replace(R1, number=-1)),
      observe(acks=(-1,)), ["FollowRound"], Phase.STANDBY),
@@ -226,14 +233,6 @@ def test_a_fenced_node_whose_run_closed_leaves_without_registering() -> None:
     closed = Snapshot(round=R1, nodes=nodes("b"), in_process=True, closed="finished")
     decision = policy.decide(FENCED_R1, observe(closed, WorkerState.IDLE), SETTINGS)
     assert kinds(decision) == ["Exit"]
-
-
-def test_a_restarted_node_evicts_its_own_stale_registration() -> None:
-    listed = Snapshot(round=R1, nodes=nodes("a", "b"), in_process=True)
-    assert policy.stale_registration(listed, "a") == listed.nodes["a"]
-    assert policy.stale_registration(listed, "c") is None
-    follower = Snapshot(round=R1, nodes={}, in_process=True, nodes_known=False)
-    assert policy.stale_registration(follower, "a") is None
 
 
 def test_a_new_alarm_in_our_round_is_answered_once() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from elastic_rt.errors import ConfigError
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.worker.batches import BatchSource, LoaderOptions, check_dataset
+from elastic_rt.worker.batches import BatchSource, LoaderOptions, check_dataset, to_device
 
 
 class _Indices(Dataset[int]):
@@ -129,3 +130,22 @@ def test_loader_options_are_checked() -> None:
         LoaderOptions(num_workers=-1)
     with pytest.raises(ConfigError, match="prefetch_factor"):
         LoaderOptions(prefetch_factor=4)
+
+
+class _Pair(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+def test_batches_reach_the_model_device_through_nested_containers() -> None:
+    batch = {"pair": _Pair(torch.ones(2), "a"), "rest": [torch.zeros(1), (torch.ones(3), 7)]}
+    moved = to_device(batch, torch.device("meta"))  # any non-CPU device takes the same path
+    assert isinstance(moved["pair"], _Pair) and moved["pair"].label == "a"
+    assert moved["pair"].x.device.type == "meta"
+    assert [t.device.type for t in (moved["rest"][0], moved["rest"][1][0])] == ["meta", "meta"]
+    assert moved["rest"][1][1] == 7 and isinstance(moved["rest"][1], tuple)
+
+
+def test_cpu_batches_for_a_cpu_model_are_passed_as_they_are() -> None:
+    batch = (torch.ones(2), torch.zeros(2))
+    assert to_device(batch, torch.device("cpu")) is batch

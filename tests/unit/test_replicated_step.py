@@ -12,7 +12,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from elastic_rt.errors import ConfigError, UserCodeError
 from elastic_rt.worker.train_state import TrainState
-from elastic_rt.worker.allocator import pin_mmap_threshold
 from elastic_rt.worker.failures import is_peer_failure, user_code
 from elastic_rt.worker.replicated import ReplicatedStep, StepOptions, initialize_optimizer_state
 
@@ -91,12 +90,3 @@ def test_the_scaler_state_travels_as_json() -> None:
                               StepOptions(autocast_dtype=torch.float16))
     receiver.load_runtime_state(json.loads(json.dumps(sender.runtime_state())))
     assert receiver.scaler is not None and receiver.scaler.get_scale() == 512.0
-
-
-def test_the_heap_threshold_is_pinned_unless_the_user_chose_one(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
-    assert pin_mmap_threshold() is False
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    assert pin_mmap_threshold() is True  # this machine's C library is glibc

@@ -171,12 +171,33 @@ def test_waiting_node_is_admitted_while_the_round_has_room(clock: FakeClock) -> 
     assert "admitting c" in action.round.reason
 
 
-def test_fewer_than_min_survivors_wait_and_stop_their_workers(clock: FakeClock) -> None:
-    current = round_of("a", "b")
-    snapshot = Snapshot(round=current, nodes=nodes("a"))
-    member = decide_at(clock, snapshot, "a")
-    assert isinstance(member, Wait)
-    assert member.stop_workers
+def test_fewer_than_min_survivors_are_written_as_a_paused_round(clock: FakeClock) -> None:
+    # Only the leader sees the loss; the paused round is how followers hear of it.
+    current = round_of("a", "b", "c", number=4, token=50)
+    action = decide_at(clock, Snapshot(round=current, nodes=nodes("c")), "c",
+                       limits=Limits(min_nodes=2, max_nodes=4))
+    assert isinstance(action, Propose) and action.expected_token == 50
+    assert action.round.number == 5 and action.round.members == ("c",)
+    assert action.round.reason.startswith("paused: 1 of at least 2")
+
+
+def test_members_of_a_paused_round_wait_and_stop_their_workers(clock: FakeClock) -> None:
+    paused = round_of("a", number=5)
+    leader = decide_at(clock, Snapshot(round=paused, nodes=nodes("a")), "a")
+    follower = decide_at(clock, Snapshot(round=paused, nodes={}, nodes_known=False), "a")
+    outsider = decide_at(clock, Snapshot(round=paused, nodes={}, nodes_known=False), "q")
+    assert isinstance(leader, Wait) and leader.stop_workers
+    assert isinstance(follower, Wait) and follower.stop_workers
+    assert isinstance(outsider, Wait) and not outsider.stop_workers
+
+
+def test_a_paused_round_resumes_with_survivors_first_once_min_are_back(clock: FakeClock) -> None:
+    paused = round_of("c", "a", number=5, token=60)
+    action = decide_at(clock, Snapshot(round=paused, nodes=nodes("a", "b", "c")), "a",
+                       limits=Limits(min_nodes=3, max_nodes=4))
+    assert isinstance(action, Propose) and action.expected_token == 60
+    assert action.round.members == ("c", "a", "b") and action.round.number == 6
+    assert action.round.reason == "resumed with 3 nodes"
 
 
 def test_a_newcomer_restores_quorum_after_a_loss(clock: FakeClock) -> None:

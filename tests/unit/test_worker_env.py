@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 
+from agents.extra_env import NCCL_ASYNC_ERROR_HANDLING_ENV, with_extras
 from agents.worker_env import process_env, round_envs, standby_envs
 from elastic_rt.config import (
     COLLECTIVE_TIMEOUT_ENV,
@@ -105,3 +106,13 @@ def test_env_seconds_names_the_variable_of_a_bad_value(text: str) -> None:
 def test_from_env_names_a_variable_that_is_not_a_whole_number() -> None:
     with pytest.raises(ConfigError, match="ELASTIC_RT_ROUND='one' is not a whole number"):
         WorkerEnv.from_env({"ELASTIC_RT_ROUND": "one"})
+
+
+@pytest.mark.parametrize(("inherited", "want"),
+                         [({}, "1"), ({NCCL_ASYNC_ERROR_HANDLING_ENV: "3"}, "3")])
+def test_nccl_async_error_handling_is_torchruns_1_unless_the_user_set_it(
+    inherited: dict[str, str], want: str
+) -> None:
+    # torch.distributed.elastic's local agent: os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env = with_extras(inherited, error_file="/tmp/error.json", role="trainer")
+    assert env[NCCL_ASYNC_ERROR_HANDLING_ENV] == want

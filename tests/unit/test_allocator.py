@@ -1,0 +1,80 @@
+"""The worker's heap tuning: the pinned mmap threshold and the trimmer's policy and effect."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from elastic_rt.worker.allocator import HeapTrimmer, pin_mmap_threshold
+
+MiB = 1 << 20
+
+
+def test_the_heap_threshold_is_pinned_unless_the_user_chose_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    assert pin_mmap_threshold() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert pin_mmap_threshold() is True  # this machine's C library is glibc
+
+
+def _trimmer(sizes_mib: list[int]) -> tuple[HeapTrimmer, list[int]]:
+    readings = iter(s * MiB for s in sizes_mib)
+    trimmed_at: list[int] = []
+    trimmer = HeapTrimmer(rss=lambda: next(readings), trim=lambda: trimmed_at.append(1))
+    return trimmer, trimmed_at
+
+
+def test_a_steady_process_is_never_trimmed() -> None:
+    trimmer, trimmed = _trimmer([800, 820, 790, 860, 800, 863])
+    assert not any(trimmer.after_step() for _ in range(6))
+    assert trimmed == []
+
+
+def test_growth_past_the_margin_is_trimmed_and_the_size_settles_again() -> None:
+    # settled at 800: margin max(64, 800/16=50) = 64 MiB; 900 > 864 trims; the next
+    # step (830) is the new settled size, so 880 (< 830 + 64) is left alone.
+    trimmer, _ = _trimmer([800, 900, 830, 880, 1000])
+    assert [trimmer.after_step() for _ in range(5)] == [False, True, False, False, True]
+    assert trimmer.trims == 2
+
+
+def test_a_working_set_that_really_grows_costs_one_trim_per_margin() -> None:
+    sizes = [1000 + 10 * i for i in range(100)]  # +10 MiB every step, 990 MiB in all
+    trimmer, _ = _trimmer(sizes)
+    for _ in sizes:
+        trimmer.after_step()
+    assert 0 < trimmer.trims <= 990 // 64 + 1
+
+
+def test_a_user_tuning_glibc_turns_the_trimmer_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    trimmer = HeapTrimmer(rss=lambda: 10_000 * MiB)
+    assert not any(trimmer.after_step() for _ in range(3))
+
+
+def test_free_chunks_below_a_live_block_are_returned_to_the_system() -> None:
+    """A real glibc heap grown by 512 MiB with half of it freed in holes: the trimmer gives
+    the holes back (glibc alone keeps them: each lies below a live block)."""
+    program = textwrap.dedent("""
+        import psutil
+        from elastic_rt.worker.allocator import HeapTrimmer, pin_mmap_threshold
+        assert pin_mmap_threshold()
+        trimmer = HeapTrimmer()
+        trimmer.after_step()  # settles at the interpreter's size
+        blocks = [bytearray(4 << 20) for _ in range(128)]  # from the heap (< 32 MiB)
+        for block in blocks:
+            block[::4096] = bytes(1024)  # touch every page
+        del blocks[::2]
+        rss = psutil.Process().memory_info().rss
+        trimmed = trimmer.after_step()
+        print(trimmed, (rss - psutil.Process().memory_info().rss) >> 20)
+    """)
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out[0] == "True"
+    assert int(out[1]) >= 200, f"only {out[1]} MiB returned"

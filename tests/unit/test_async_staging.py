@@ -1,0 +1,57 @@
+"""Async checkpoint staging: CPU copies the next step cannot change, pinned only for GPU tensors.
+
+The CUDA path (pinned buffers, non-blocking copies, an event before the write) runs in
+``scripts/device_check.py`` on a machine with a GPU; here the CPU path and the choice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from elastic_rt.checkpoint.async_save import Stager, should_pin
+
+
+def test_staged_copies_keep_the_values_of_the_save_step() -> None:
+    weights = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    staged = Stager().stage({"w": weights})
+    staged.wait_copied()
+    weights.add_(100)  # the next training step
+    assert staged.tensors["w"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert staged.events == ()  # nothing in flight from the CPU
+
+
+def test_buffers_are_reused_from_save_to_save_and_not_pinned_for_cpu_tensors() -> None:
+    stager = Stager()
+    first = stager.stage({"w": torch.zeros(4), "b": torch.zeros(2)}).tensors
+    second = stager.stage({"w": torch.ones(4)}).tensors
+    assert second["w"].data_ptr() == first["w"].data_ptr()
+    assert not second["w"].is_pinned()
+    assert stager.nbytes == 4 * 4  # the dropped key's buffer is gone
+
+
+def test_only_gpu_tensors_get_page_locked_staging() -> None:
+    assert not should_pin(torch.zeros(1))
+    assert not should_pin(torch.zeros(1, device="meta"))
+
+
+def test_a_dtensor_is_staged_as_a_dtensor_over_the_staging_buffer() -> None:
+    # One process, a one-rank CPU mesh; the point is that the staged DTensor's local
+    # tensor is the host buffer itself (from_local would move it to a CUDA mesh's GPU).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weights = DTensor.from_local(torch.arange(4.0), mesh, [Shard(0)], run_check=False)
+        stager = Stager()
+        first = stager.stage({"w": weights}).tensors["w"]
+        second = stager.stage({"w": weights}).tensors["w"]
+        assert isinstance(first, DTensor) and isinstance(second, DTensor)
+        assert second.placements == weights.placements
+        assert second.device_mesh == mesh and second.shape == weights.shape
+        assert second.to_local().data_ptr() == first.to_local().data_ptr()  # reused buffer
+        assert second.to_local().data_ptr() != weights.to_local().data_ptr()
+        assert second.to_local().tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        dist.destroy_process_group()
