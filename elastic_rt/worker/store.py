@@ -68,7 +68,7 @@ def join_round_store(address: tuple[str, int], *, rank: int, world_size: int,
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         try:
-            await_listener(address, CONNECT_ATTEMPT)
+            await_listener(address, CONNECT_ATTEMPT, newer_round=newer_round)
             store = open_round_store(address, is_host=False, world_size=world_size,
                                      timeout=CONNECT_ATTEMPT)
         except (RuntimeError, dist.DistError, TimeoutError):
@@ -81,7 +81,8 @@ def join_round_store(address: tuple[str, int], *, rank: int, world_size: int,
         return store
 
 
-def await_listener(address: tuple[str, int], within: timedelta) -> None:
+def await_listener(address: tuple[str, int], within: timedelta,
+                   newer_round: Callable[[], bool] | None = None) -> None:
     """Return as soon as something listens at ``address``; a refused connect is retried.
 
     Why not let the TCPStore client retry by itself: its connect backs off with jitter
@@ -93,8 +94,14 @@ def await_listener(address: tuple[str, int], within: timedelta) -> None:
     connects on its first try. The probe connection is closed at once; the host's
     server drops it.
 
+    Between two looks it asks ``newer_round()``: two rounds written moments apart (a
+    peer's alarm round, then the one without a lost worker) can send the host straight
+    to the second, and this round's store then never comes (that waited out a whole
+    attempt, 2 s).
+
     Raises:
         TimeoutError: nothing listened within ``within``.
+        NewerRound: ``newer_round()`` said so.
     """
     deadline = time.monotonic() + within.total_seconds()
     while True:
@@ -104,6 +111,8 @@ def await_listener(address: tuple[str, int], within: timedelta) -> None:
         except OSError as exc:  # refused (not up yet), reset, unreachable: look again
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing listens at {address[0]}:{address[1]}") from exc
+            if newer_round is not None and newer_round():
+                raise NewerRound() from None
             time.sleep(LISTEN_POLL_S)
 
 
