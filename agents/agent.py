@@ -91,7 +91,9 @@ class Agent:
             snapshot = self.registry.preview()
             if policy.is_stale_run(snapshot):
                 self.kv.delete_prefix(self.registry.prefix)
-            standby = policy.joins_in_standby(snapshot, self.info.node_id)
+            standby = policy.joins_in_standby(snapshot)
+            if standby:
+                self._evict_stale_registration()
             if not standby:
                 self.keeper.start()
             self.registry.publish_max_restarts(self.config.max_restarts)
@@ -152,6 +154,11 @@ class Agent:
                                               reform_timeout=self.config.reform_timeout)
         elif isinstance(action, policy.StopWorkers):
             self._stop_workers(action.why)
+        elif isinstance(action, policy.RejoinInStandby):
+            self._revoke_lost_lease()
+            self._start_in_standby(action.round, restart=True)
+        elif isinstance(action, policy.Register):
+            self._register_again()
         elif isinstance(action, policy.HandleFailure):
             return self._workers_failed(action)
         elif isinstance(action, policy.Succeed):
@@ -224,16 +231,34 @@ class Agent:
             self.keeper.stop(revoke=True)
             self.events.emit("node.left", round=verdict.round.number, reason=verdict.why)
             self._start_in_standby(verdict.round, restart=True)
+        elif isinstance(verdict, policy.ReplaceWorkers):
+            self._reform_without_our_ranks(verdict)
+            self._start_in_standby(verdict.proposal.proposal.round, restart=True,
+                                   keep_lease=True)
         elif verdict is not None:
             self._propose(verdict)
         return None
 
-    def _start_in_standby(self, round_: Round, *, restart: bool = False) -> None:
+    def _reform_without_our_ranks(self, verdict: policy.ReplaceWorkers) -> None:
+        """Write the round without our ranks; once more if a peer's alarm wrote a round
+        with them meanwhile (its survivors would wait there for our replacements)."""
+        self._propose(verdict.proposal)
+        current = self.registry.current_round()
+        me = self.info.node_id
+        if (current is not None and me in current.members
+                and current.nprocs[current.group_rank(me)] > 0):
+            without = policy.with_ranks(current, me, 0, verdict.why, int(time.time() * 1000))
+            self._propose(policy.ProposeRound(without, replaced=current))
+
+    def _start_in_standby(self, round_: Round, *, restart: bool = False,
+                          keep_lease: bool = False) -> None:
         """Start workers outside any round; register only once they are imported.
 
-        Used by a node joining a running in-process job and by one replacing a failed
-        worker. The workers announce themselves once imported; only then does the node
-        register, and the survivors admit it at a step boundary without waiting.
+        Used by a node joining a running in-process job, by one replacing a failed
+        worker and by one back from a fence. The workers announce themselves once
+        imported; only then does the node register (or, with ``keep_lease``, when it
+        stayed a member without ranks, ask for its ranks back), and the survivors take
+        it in at a step boundary without waiting.
         Workers that do not announce in time are stopped and the node joins the normal
         way (restart mode is the fallback, never a hang).
         """
@@ -243,8 +268,10 @@ class Agent:
         self.workers.wait_announced(self.config.reform_timeout.total_seconds(),
                                     give_up=lambda: self.inbox.leave_signal is not None,
                                     sleep=self.inbox.sleep)
-        self.keeper = self._lease_keeper()
-        self.keeper.start()
+        if not keep_lease:
+            self.keeper = self._lease_keeper()
+            self.keeper.start()
+            self.state = policy.registered(self.state)
         if self.workers.in_process():
             # Belong to no round yet: the round that admits us (even the current one, if it
             # still lists us) then starts through FollowRound and gets its store published.
@@ -258,9 +285,43 @@ class Agent:
 
     # fencing, leaving, closing -----------------------------------------------------
     def _lease_keeper(self) -> LeaseKeeper:
+        # After a fence the loop registers again (see policy.RejoinInStandby), not the keeper.
         return LeaseKeeper(self.registry, self.info, self.config.rendezvous.lease_ttl,
                            on_fenced=self._fence,
-                           register=lambda lease: self.watch.join(self.info, lease))
+                           register=lambda lease: self.watch.join(self.info, lease),
+                           rejoin=False)
+
+    def _evict_stale_registration(self) -> None:
+        """Our registration from before a restart, still on its old lease: revoke it, so
+        the survivors re-form without our lost workers now, not when the lease runs out.
+        (The registrations are read only then: a joining node's preview has none.)"""
+        if not self.registry.is_registered(self.info.node_id):
+            return
+        stale = self.registry.nodes().get(self.info.node_id)
+        if stale is not None:
+            self.registry.evict(stale)
+
+    def _revoke_lost_lease(self) -> None:
+        """After a fence the old lease may still run for a moment: end it, so the survivors
+        re-form without this node now rather than when it expires."""
+        if self.keeper.lease_id is None:
+            return
+        try:
+            self.kv.revoke_lease(self.keeper.lease_id)
+        except StoreError as exc:
+            logger.debug("revoking the fenced lease failed: %s", exc)
+
+    def _register_again(self) -> None:
+        """Back from a fence in restart mode: register on a new lease (etcd answers again)."""
+        keeper = self._lease_keeper()
+        try:
+            keeper.start()
+        except StoreError as exc:
+            logger.warning("registering again failed (%s); retrying", exc)
+            self.inbox.sleep(self.settings.retry_after.total_seconds())
+            return
+        self.keeper = keeper
+        self.state = policy.registered(self.state)
 
     def _fence(self, why: str) -> None:
         """Called from the lease thread: stop training before others declare us dead.

@@ -70,4 +70,5 @@ class AgentConfig:
             join_timeout=rdzv.join_timeout,
             reform_timeout=self.reform_timeout,
             max_restarts=self.max_restarts,
+            nproc=self.nproc_per_node,
         )  # fmt: skip

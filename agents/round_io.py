@@ -52,12 +52,15 @@ def agree_on_store(registry: RunRegistry, round_: Round, me: NodeInfo, *, wait: 
 
     The store lives in that node's rank-0 worker (torchrun's env:// rendezvous) and is
     re-hosted by the first member of every new round, so it never outlives the node
-    it depends on. Returns (host, port); None when the round is gone or has no host.
+    it depends on. A member with no ranks (its workers are being replaced, see
+    :class:`policy.ReplaceWorkers`) hosts nothing: the first member with ranks does.
+    Returns (host, port); None when the round is gone or has no host.
 
     None sends the agent back to its loop, which re-forms without a first node that
     left before publishing, or follows the round that replaced this one.
     """
-    if round_.members[0] == me.node_id:
+    host = _store_host(round_)
+    if host == me.node_id:
         registry.publish_store(round_, f"{me.host}:{free_port(me.host)}")
     deadline = time.monotonic() + wait.total_seconds()
     while time.monotonic() < deadline:
@@ -68,16 +71,22 @@ def agree_on_store(registry: RunRegistry, round_: Round, me: NodeInfo, *, wait: 
         current = registry.current_round()
         if current is None or current.number != round_.number:
             return None
-        if not registry.is_registered(round_.members[0]):
+        if not registry.is_registered(host):
             return None
         sleep(0.05)
     logger.warning("no store address for round %d; waiting for the next round", round_.number)
     return None
 
 
+def _store_host(round_: Round) -> str:
+    """The member whose first worker is the round's rank 0."""
+    return next((m for m, n in zip(round_.members, round_.nprocs) if n > 0), round_.members[0])
+
+
 def settle_failure(registry: RunRegistry, round_: Round, first: WorkerExit, cause: RootCause, *,
                    in_process: bool, settings: policy.Settings
-                   ) -> policy.Failed | policy.RestartInStandby | policy.ProposeRound | None:
+                   ) -> (policy.Failed | policy.RestartInStandby | policy.ReplaceWorkers
+                         | policy.ProposeRound | None):
     """After a local worker failed and the workers were stopped: what it costs the job.
 
     Reads the run again, probes the peers or claims the failure, reports its root cause,

@@ -38,6 +38,9 @@ class LeaseKeeper:
             ``ttl - margin`` seconds, or the lease was found expired.
         register: registers the node on a new lease (its id), at start and after
             each fence; a store error it raises is retried at the next renewal.
+        rejoin: register afresh by itself once the store answers after a fence; False:
+            stop at the fence, and the owner registers again when it is ready (an agent
+            whose workers must start first, see ``agents.policy.RejoinInStandby``).
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class LeaseKeeper:
         *,
         on_fenced: Callable[[str], None],
         register: Callable[[int], None],
+        rejoin: bool = True,
     ) -> None:
         self.registry = registry
         self.info = info
@@ -55,6 +59,7 @@ class LeaseKeeper:
         self.margin = min(1.0, self.ttl / 3)
         self.on_fenced = on_fenced
         self.register = register
+        self.rejoin = rejoin
         self.lease_id: int | None = None
         self.is_fenced = False
         self._stop = threading.Event()
@@ -96,6 +101,8 @@ class LeaseKeeper:
 
     def _fence(self, why: str) -> None:
         self.is_fenced = True
+        if not self.rejoin:
+            self._stop.set()  # the owner registers on a new keeper when it is ready
         logger.warning("node %s fenced itself: %s", self.info.node_id, why)
         self.on_fenced(why)
 

@@ -334,6 +334,7 @@ class _ElasticLoop:
         # before the save's first collective, leaving the other ranks waiting in it.
         self._finish_checkpoint()
         self._release_groups()
+        released = time.monotonic()
         rank, world, token, number = self._place(round_)
         self.events.rank = rank  # events carry this round's rank, not the first round's
         layout = plan_layout(world, self.limits)
@@ -349,10 +350,12 @@ class _ElasticLoop:
         self.store = None  # drop the previous round's store (its server closes with it)
         self.store = join_round_store(address, rank=rank, world_size=world,
                                       timeout=self.reform_timeout, newer_round=newer)
+        joined = time.monotonic()
         prefix = f"/elastic_rt/{self.env.run_id}/round-{number}/"
         wait_for_ranks(self.store, prefix, world_size=world, timeout=self.reform_timeout,
                        newer_round=newer)
         round_notice().train_in(round_)
+        all_in = time.monotonic()
         self.groups = init_groups(self.store, rank=rank, world_size=world, layout=layout,
                                   prefix=prefix, timeout=self.collective_timeout,
                                   join_timeout=max(self.collective_timeout, self.reform_timeout))
@@ -366,7 +369,11 @@ class _ElasticLoop:
         if self.publisher is not None and rank == 0:
             value = {"round": number, "layout": layout.to_dict()}
             self.publisher.commit("layout", json.dumps(value), token)
-        self._phase("groups.reformed", began, world_size=world, layout=str(layout))
+        # Where the time went: the previous round's teardown, finding the store (address and
+        # connect), waiting for the slowest rank, and building the groups (gloo's mesh).
+        self._phase("groups.reformed", began, world_size=world, layout=str(layout),
+                    release_ms=_ms(released - began), store_ms=_ms(joined - released),
+                    ranks_ms=_ms(all_in - joined), groups_ms=_ms(time.monotonic() - all_in))
 
     def restore(self) -> None:
         began = time.monotonic()
@@ -567,6 +574,10 @@ class _ElasticLoop:
             self.publisher.close()  # before the follower's client, which it writes through
         if self.follower:
             self.follower.close()
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
 
 
 def _collective_timeout(env: WorkerEnv) -> timedelta:

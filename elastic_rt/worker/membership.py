@@ -64,12 +64,11 @@ class RoundFollower:
 
     def current(self) -> Round:
         """The round the agent started us in; for a replacement started outside any
-        round (``ELASTIC_RT_ROUND=-1``), the first round that admits this node."""
+        round (``ELASTIC_RT_ROUND=-1``), the first round that gives this worker a rank."""
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             current = self.registry.current_round()
-            if (current is not None and current.number >= self.env.round
-                    and self.env.node_id in current.members):
+            if current is not None and current.number >= self.env.round and self._in(current):
                 return current
             self._changed.wait(0.2)
         raise RendezvousTimeoutError(f"round {self.env.round} not found in etcd",
@@ -93,13 +92,21 @@ class RoundFollower:
             except StoreError as exc:
                 logger.warning("etcd unavailable while waiting for a round: %s", exc)
                 current = None
-            if current and current.number > after and self.env.node_id in current.members:
+            if current and current.number > after and self._in(current):
                 return current
             self._changed.wait(0.2)
         raise RendezvousTimeoutError(
             f"no new round including {self.env.node_id} within {timeout.total_seconds():.0f} s",
             "Check that the agents are alive and can reach etcd.",
         )
+
+    def _in(self, round_: Round) -> bool:
+        """``round_`` gives this worker a rank. A node whose workers are being replaced
+        stays a member with fewer ranks (none); its replacements wait for the round
+        that gives theirs back."""
+        if self.env.node_id not in round_.members:
+            return False
+        return self.env.local_rank < round_.nprocs[round_.group_rank(self.env.node_id)]
 
     def store_address(self, round_: Round, timeout: timedelta) -> tuple[str, int] | None:
         """The ``host:port`` its first node's agent published for the round's store.

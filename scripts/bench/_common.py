@@ -9,6 +9,7 @@ it has seen, so no agent, worker or etcd outlives the benchmark.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import statistics
 from pathlib import Path
@@ -46,6 +47,14 @@ class JsonLines(JsonLinesTail):
 
 def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def p90(values: Sequence[float]) -> float | None:
+    """The 90th percentile (nearest rank): with 10 values, the second largest."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 def fmt(value: float | None, spec: str = ".2f") -> str:

@@ -3,13 +3,18 @@
 Bootstrapping gloo makes O(world) store writes and reads (addresses, barriers).
 This times the same set/get round trips against a TCPStore on 127.0.0.1 and
 against etcd (an embedded server, through our EtcdKV), side by side.
+It also times a client that reaches a round's store 50 ms before its host starts
+(a re-form's usual order): TCPStore's own connect retry, which backs off after a
+refusal, against waiting for the host's listener first (``worker/store.py``).
 Run: python scripts/bench/pg_store.py
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,8 +25,11 @@ import torch.distributed as dist  # noqa: E402
 
 from elastic_rt.etcd_server import EtcdServer, free_port  # noqa: E402
 from elastic_rt.rendezvous.etcd_kv import EtcdKV  # noqa: E402
+from elastic_rt.worker.store import await_listener  # noqa: E402
 
 ROUNDS = 500
+LATE_HOST_S = 0.05
+LATE_TRIALS = 10
 
 
 def timed(fn, n: int = ROUNDS) -> float:  # type: ignore[no-untyped-def]
@@ -31,6 +39,30 @@ def timed(fn, n: int = ROUNDS) -> float:  # type: ignore[no-untyped-def]
         fn(i)
         samples.append(time.perf_counter() - began)
     return statistics.median(samples) * 1e3
+
+
+def late_host(wait_first: bool) -> float:
+    """Median ms from the host's start until a client that arrived first is connected."""
+    samples = []
+    for _ in range(LATE_TRIALS):
+        port, connected = free_port(), []
+
+        def client() -> None:
+            if wait_first:
+                await_listener(("127.0.0.1", port), timedelta(seconds=10))
+            dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+            connected.append(time.perf_counter())
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        time.sleep(LATE_HOST_S)
+        up = time.perf_counter()
+        host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=10))
+        thread.join()
+        samples.append((connected[0] - up) * 1e3)
+        del host
+    return statistics.median(samples)
 
 
 def main() -> None:
@@ -49,6 +81,11 @@ def main() -> None:
     print(f"{'operation':10s} {'TCPStore ms':>12s} {'etcd ms':>10s} {'ratio':>7s}")
     print(f"{'set/put':10s} {tcp_set:12.3f} {etcd_put:10.3f} {etcd_put / tcp_set:7.1f}x")
     print(f"{'get':10s} {tcp_get:12.3f} {etcd_get:10.3f} {etcd_get / tcp_get:7.1f}x")
+    retry, waited = late_host(wait_first=False), late_host(wait_first=True)
+    print(f"\nclient arrives {LATE_HOST_S * 1e3:.0f} ms before the host, ms from the host's "
+          f"start to connected (median of {LATE_TRIALS}; load average {os.getloadavg()[0]:.1f}):")
+    print(f"  TCPStore's own retry {retry:8.1f}")
+    print(f"  listener awaited     {waited:8.1f}   ({retry / max(waited, 1e-3):.0f}x less)")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,16 @@ inproc-join        no fault: only a and b start, and node c is started at
                    ``--kill-step``; the job grows to 3 (elastic-rt in-process)
 restart-join       the same in restart mode (``torchrun_ddp.py``): every worker
                    restarts from the last checkpoint, as torchrun does on a join
+inproc-fence       node c is SIGSTOPped until its lease expires and the others
+                   train on without it, then SIGCONTed: it finds itself fenced
+                   and comes back (the fault's time is the SIGCONT)
+inproc-worker-min  ``--nnodes 3:3``: the job is at its minimum node count, so
+                   node c cannot step out; SIGKILL of its worker process group
 =================  ==========================================================
 
-For the join cases "recovery" is the time from starting node c to the first step
-at world size 3, and the figure that matters is the survivors' **longest pause**:
+For the join cases and inproc-fence "recovery" is the time from starting (or
+continuing) node c to the first step at world size 3, and the figure that matters
+is the survivors' **longest pause**:
 the longest gap between two steps completed anywhere from c's start until three
 steps at world size 3 (in-process, a and b train on while c starts).
 
@@ -67,7 +73,6 @@ Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import signal
@@ -79,11 +84,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from _common import JsonLines, fmt, interruptible, median, table
+from _common import JsonLines, fmt, interruptible, median, p90, table
 
 from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV
 
 from elastic_rt.etcd_server import EtcdServer, free_port
+from elastic_rt.events import read_events
 from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env, wait_until
 
 ELASTIC_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
@@ -103,9 +109,11 @@ class Case:
     """"elastic" or "torchrun"."""
     in_process: bool
     fault: str
-    """"node-kill", "node-hang" or "worker-kill"."""
+    """"node-kill", "node-hang", "worker-kill", "join" or "fence"."""
     target: str
     rdzv_conf: str = ""
+    min_nodes: int = 2
+    """elastic-rt ``--nnodes MIN:3``."""
 
 
 def cases(args: argparse.Namespace) -> dict[str, Case]:
@@ -121,6 +129,8 @@ def cases(args: argparse.Namespace) -> dict[str, Case]:
              rdzv_conf=args.torchrun_fast_conf),
         Case("inproc-join", "elastic", True, "join", "pause <= 1.5 s"),
         Case("restart-join", "elastic", False, "join", "-"),
+        Case("inproc-fence", "elastic", True, "fence", "pause <= 1.0 s"),
+        Case("inproc-worker-min", "elastic", True, "worker-kill", "<= 1.5 s", min_nodes=3),
     ]
     return {c.name: c for c in listed}
 
@@ -135,6 +145,8 @@ class Trial:
     error: str = ""
     pause_s: float | None = None
     """Longest gap between two completed steps from the fault to 3 steps after recovery."""
+    reform_ms: int | None = None
+    """In-process: the survivors' longest ``groups.reformed`` in the round they resumed in."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +209,8 @@ class Job:
     def _command(self, node: str) -> list[str]:
         if self.case.launcher == "elastic":
             assert self.etcd is not None
-            return [PYTHON, "-m", "elastic_rt.cli", "launch", "--nnodes", "2:3",
+            return [PYTHON, "-m", "elastic_rt.cli", "launch", "--nnodes",
+                    f"{self.case.min_nodes}:3",
                     "--nproc-per-node", "1", "--rdzv-endpoint", f"etcd://{self.etcd.endpoint}",
                     "--run-id", self.run_id, "--node-id", node, "--events-file", str(self.events),
                     "--lease-ttl", str(self.args.lease_ttl), *self._script()]
@@ -246,7 +259,7 @@ class Job:
         victim_tree = self.procs.tree(self.nodes[VICTIM]) if VICTIM in self.nodes else []
         old_pids = {p.pid for pid in self.nodes.values() for p in self.procs.tree(pid)}
         fault_round = max((r.round or 0) for r in self.poll())
-        stamp = self._fault(victim_tree)
+        stamp = self._fault(victim_tree, fault_round)
         self._faulted = True
 
         def recovered(r: Row) -> bool:
@@ -254,6 +267,8 @@ class Job:
                 return False
             if self.case.fault == "join":
                 return r.world_size == len(NODES)
+            if self.case.fault == "fence":  # c's old worker may log a step as it continues
+                return r.world_size == len(NODES) and (r.round or 0) > fault_round
             if self.case.in_process:
                 return r.node != VICTIM and (r.round or 0) > fault_round
             return r.pid not in old_pids
@@ -277,17 +292,27 @@ class Job:
         pause = max((b - a for a, b in zip(times, times[1:])), default=None)
         return Trial(recovery_s=first.time - stamp,
                      steps_lost=max(0, last_before - (first.step - 1)), last_before=last_before,
-                     resumed_from=first.step - 1, victim_rank=victim_rank, pause_s=pause)
+                     resumed_from=first.step - 1, victim_rank=victim_rank, pause_s=pause,
+                     reform_ms=self._reform_ms(first.round))
+
+    def _reform_ms(self, round_: int | None) -> int | None:
+        if not self.case.in_process:
+            return None
+        spans = [e.metadata.get("duration_ms", 0) for e in read_events(str(self.events))
+                 if e.name == "groups.reformed" and e.round == round_ and e.node != VICTIM]
+        return max(spans, default=None)
 
     def _is_victim(self, r: Row, victim_tree: list) -> bool:
         if self.case.in_process:
             return r.node == VICTIM
         return r.pid in {p.pid for p in victim_tree}
 
-    def _fault(self, victim_tree: list) -> float:
+    def _fault(self, victim_tree: list, fault_round: int) -> float:
         if self.case.fault == "join":
             return self._start_node(VICTIM)
         root = self.nodes[VICTIM]
+        if self.case.fault == "fence":
+            return self._fence(root, fault_round)
         if self.case.fault == "node-kill":
             return self.procs.signal_tree(root, signal.SIGKILL)
         if self.case.fault == "node-hang":
@@ -296,6 +321,19 @@ class Job:
         if not workers:
             raise RuntimeError("node c has no worker process")
         return self.procs.signal_tree(workers[0].pid, signal.SIGKILL)
+
+    def _fence(self, root: int, fault_round: int) -> float:
+        """Stop node c until the others train on without it (its lease is gone), then
+        continue it; returns when it was continued."""
+        self._faulted = True
+        self.procs.signal_tree(root, signal.SIGSTOP)
+        try:
+            self._until(lambda: [r for r in self.poll() if (r.round or 0) > fault_round
+                                 and r.node != VICTIM and r.world_size < len(NODES)][2:] or None,
+                        self.args.recover_timeout, "3 steps without node c")
+        finally:
+            stamp = self.procs.signal_tree(root, signal.SIGCONT)
+        return stamp
 
 
 def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root: Path,
@@ -314,7 +352,8 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
             procs.close()
         trials.append(trial)
         print(f"  {case.name} #{i + 1}: recovery {fmt(trial.recovery_s)} s, steps lost "
-              f"{fmt(trial.steps_lost, 'd')}, longest pause {fmt(trial.pause_s)} s "
+              f"{fmt(trial.steps_lost, 'd')}, longest pause {fmt(trial.pause_s)} s, "
+              f"groups.reformed {fmt(trial.reform_ms, 'd')} ms "
               f"(last {trial.last_before}, resumed from "
               f"{trial.resumed_from}), victim rank {trial.victim_rank}, trial took "
               f"{time.monotonic() - began:.0f} s{'  ERROR: ' + trial.error if trial.error else ''}"
@@ -335,24 +374,19 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
         ok = [t for t in trials if t.recovery_s is not None]
         times = [t.recovery_s for t in ok if t.recovery_s is not None]
         lost = median([t.steps_lost for t in ok])
-        pause = median([t.pause_s for t in ok if t.pause_s is not None])
+        pauses = [t.pause_s for t in ok if t.pause_s is not None]
+        reforms = [t.reform_ms for t in ok if t.reform_ms is not None]
         rows.append([
             name, f"{len(ok)}/{len(trials)}", fmt(med[name]), fmt(p90(times)),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
-            fmt(lost, ".0f"), fmt(pause), ratio(default, med[name]), ratio(fast, med[name]),
-            chosen[name].target,
+            fmt(lost, ".0f"), fmt(median(pauses)), fmt(p90(pauses)),
+            f"{fmt(median(reforms), '.0f')} / {fmt(p90(reforms), '.0f')}",
+            ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
         ])  # fmt: skip
     return table(["case", "ok", "recovery s (median)", "p90", "min-max", "steps lost (median)",
-                  "longest pause s (median)", "torchrun-default / this", "torchrun-fast / this",
-                  "target"], rows)
-
-
-def p90(values: list[float]) -> float | None:
-    """The 90th percentile, nearest rank (of 10 trials, the 9th fastest)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+                  "longest pause s (median)", "p90", "groups.reformed ms (median / p90)",
+                  "torchrun-default / this",
+                  "torchrun-fast / this", "target"], rows)
 
 
 def parse_args() -> argparse.Namespace:

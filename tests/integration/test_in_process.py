@@ -4,7 +4,8 @@ Three agents with one gloo worker each run ``scripts/examples/elastic_train.py``
 One node is SIGKILLed at about step 30 and a fourth joins at about step 40; the
 final parameters must equal those of an uninterrupted run, the survivors' worker
 processes must be the ones that started, and the newcomer's workers must start
-before it is admitted (the survivors train on meanwhile).
+before it is admitted (the survivors train on meanwhile). A node that comes back
+from a fence is taken back the same way.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
 from elastic_rt.etcd_server import free_port
+from elastic_rt.events import Event
 from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
@@ -31,9 +34,9 @@ STEPS = 120
 
 
 def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, out: Path,
-          nnodes: str = "2:4"):
+          nnodes: str = "2:4", steps: int = STEPS):
     args = launch_args(etcd_server.endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name)
-    script = [SCRIPT, "--steps", str(STEPS), "--out", str(out), "--step-time", "0.05"]
+    script = [SCRIPT, "--steps", str(steps), "--out", str(out), "--step-time", "0.05"]
     return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
 
 
@@ -117,3 +120,99 @@ def test_a_node_admitted_as_the_others_finish_ends_with_the_job(
     exited = [e for e in events(tmp_path / "events.jsonl")
               if e.name == "agent.exited" and e.node == "late"]
     assert [e.metadata["exitcode"] for e in exited] == [0], exited
+
+
+# A node back from a fence (or a replaced worker) imports torch again: seconds, more on a
+# busy box. The survivors must still be training when it is ready, so these runs are longer.
+LONG_STEPS = 400
+
+
+def _reference(tree: ProcessTree, etcd_server, run_id: str, tmp: Path):
+    """An uninterrupted single-node run of the same training; its parameters file."""
+    ref_dir = tmp / "reference"
+    ref_dir.mkdir()
+    proc = _node(tree, etcd_server, run_id + "-ref", ref_dir, "solo", ref_dir / "params.pt",
+                 nnodes="1", steps=LONG_STEPS)
+    return proc, ref_dir
+
+
+def _assert_same_training(tmp: Path, ref_dir: Path, log: list[Event],
+                          survivors: tuple[str, ...]) -> None:
+    """Final parameters of the uninterrupted run; every survivor did every step once."""
+    got, want = torch.load(tmp / "params.pt"), torch.load(ref_dir / "params.pt")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0)
+    for survivor in survivors:  # by node: ranks follow registration order
+        steps = sorted(e.step for e in log if e.name == "step.completed" and e.node == survivor
+                       and e.step is not None)
+        assert steps == list(range(1, LONG_STEPS + 1)), f"{survivor} lost or repeated a step"
+    restarted = [e for e in log if e.name == "worker.restarted" and e.node in set(survivors)]
+    assert restarted == [], "survivors' workers were restarted"
+
+
+def _came_back_through_standby(log: list[Event], node: str,
+                               since: Callable[[Event], bool]) -> None:
+    """``node``'s replacement workers started in standby, after ``since``, and the survivors
+    trained on until the round that took it back (so they never waited for its import)."""
+    after = next(i for i, e in enumerate(log) if since(e))
+    started = [i for i, e in enumerate(log) if i > after and e.node == node
+               and e.name == "worker.restarted"]
+    assert [log[i].metadata.get("standby") for i in started] == [True], log[after:]
+    back = next(i for i, e in enumerate(log) if i > started[0] and e.name == "round.formed"
+                and e.source == "agent" and node in e.metadata.get("members", ())
+                and e.metadata.get("world_size") == 3)
+    trained = [e for e in log[started[0]:back] if e.name == "step.completed" and e.node != node]
+    assert trained, f"the survivors waited for {node}'s workers to start"
+
+
+def test_a_node_back_from_a_fence_is_taken_back_through_the_standby_start(
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path
+) -> None:
+    reference, ref_dir = _reference(process_tree, etcd_server, run_id, tmp_path)
+    out = tmp_path / "params.pt"
+    nodes = {n: _node(process_tree, etcd_server, run_id, tmp_path, n, out, nnodes="2:3",
+                      steps=LONG_STEPS) for n in "abc"}
+    wait_until(lambda: _step(tmp_path) >= 20, 180, "step 20")
+    fault_round = max(e.round or 0 for e in events(tmp_path / "events.jsonl"))
+    process_tree.signal_tree(nodes["c"].pid, signal.SIGSTOP)  # c hangs past its lease
+    try:
+        wait_until(lambda: [e for e in events(tmp_path / "events.jsonl")
+                            if e.name == "step.completed" and (e.round or 0) > fault_round][4:],
+                   60, "the others training without c")
+    finally:
+        process_tree.signal_tree(nodes["c"].pid, signal.SIGCONT)
+    for name in "abc":
+        assert nodes[name].wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    assert reference.wait(timeout=120) == 0, (ref_dir / "solo.log").read_text()[-3000:]
+
+    log = events(tmp_path / "events.jsonl")
+    _assert_same_training(tmp_path, ref_dir, log, ("a", "b"))
+    sizes = [e.metadata["world_size"] for e in log if e.name == "step.completed"]
+    assert sizes[-1] == 3 and 2 in sizes, "c was not cut off, or not taken back"
+    _came_back_through_standby(log, "c", lambda e: e.name == "agent.fenced" and e.node == "c")
+
+
+def test_a_worker_lost_at_the_minimum_node_count_is_replaced_while_the_others_train(
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path
+) -> None:
+    reference, ref_dir = _reference(process_tree, etcd_server, run_id, tmp_path)
+    out = tmp_path / "params.pt"
+    nodes = {n: _node(process_tree, etcd_server, run_id, tmp_path, n, out, nnodes="3:3",
+                      steps=LONG_STEPS) for n in "abc"}
+    wait_until(lambda: _step(tmp_path) >= 20, 180, "step 20")
+    workers = [p for p in process_tree.tree(nodes["c"].pid) if p.pid != nodes["c"].pid]
+    assert workers, "c has no worker"
+    process_tree.signal_tree(workers[0].pid, signal.SIGKILL)
+    for name in "abc":
+        assert nodes[name].wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    assert reference.wait(timeout=120) == 0, (ref_dir / "solo.log").read_text()[-3000:]
+
+    log = events(tmp_path / "events.jsonl")
+    _assert_same_training(tmp_path, ref_dir, log, ("a", "b"))
+    # c stayed a member without ranks (the job is at its minimum), then got them back.
+    rounds = [e.metadata for e in log if e.name == "round.formed" and e.source == "agent"]
+    assert [r["world_size"] for r in rounds if r["members"] and "c" in r["members"]][-1] == 3
+    assert any(r["world_size"] == 2 and sorted(r["members"]) == ["a", "b", "c"] for r in rounds)
+    sizes = [e.metadata["world_size"] for e in log if e.name == "step.completed"]
+    assert sizes[-1] == 3 and 2 in sizes, "the others did not train on without c's worker"
+    _came_back_through_standby(log, "c", lambda e: e.name == "worker.failed" and e.node == "c")

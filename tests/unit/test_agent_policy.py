@@ -195,9 +195,9 @@ def test_in_process_recovery_is_published_once() -> None:
 
 
 def test_a_fenced_node_asks_for_a_restart_round_when_its_round_still_stands() -> None:
-    fenced = policy.fenced(RUNNING_R1)
+    fenced = policy.registered(policy.fenced(RUNNING_R1))  # restart mode: registered again
     assert (fenced.phase, fenced.round, fenced.running) == (Phase.FENCED, R1, None)
-    assert policy.fenced(fenced) == fenced  # a second fence keeps the round to rejoin
+    assert policy.fenced(fenced) == policy.fenced(RUNNING_R1)  # still the round to rejoin
     decision = policy.decide(fenced, observe(workers=WorkerState.IDLE), SETTINGS)
     (action,) = decision.actions
     assert isinstance(action, policy.ProposeRound)
@@ -207,6 +207,32 @@ def test_a_fenced_node_asks_for_a_restart_round_when_its_round_still_stands() ->
     moved_on = policy.decide(fenced, observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")),
                                              WorkerState.IDLE), SETTINGS)
     assert moved_on.actions == (policy.StartWorkers(R2),)
+
+
+FENCED_R1 = policy.fenced(RUNNING_R1)
+
+
+@pytest.mark.parametrize(("snapshot", "action"), [
+    # in place: the survivors re-formed without us, or not yet (we are still listed)
+    (Snapshot(round=R2, nodes=nodes("b", "c"), in_process=True), policy.RejoinInStandby(R2)),
+    (Snapshot(round=R1, nodes=nodes("a", "b"), in_process=True), policy.RejoinInStandby(R1)),
+    # restart mode, or a job ending: register, and the next round restarts us (or ends)
+    (Snapshot(round=R2, nodes=nodes("b", "c")), policy.Register()),
+    (Snapshot(round=R1, nodes=nodes("a", "b"), in_process=True, completing=True),
+     policy.Register()),
+])
+def test_a_fenced_node_registers_again_only_through_the_standby_start_when_in_place(
+        snapshot: Snapshot, action: policy.Action) -> None:
+    assert not FENCED_R1.registered
+    decision = policy.decide(FENCED_R1, observe(snapshot, WorkerState.IDLE), SETTINGS)
+    assert decision.actions == (action,)
+    assert decision.state == FENCED_R1  # the agent says when it has registered
+
+
+def test_a_fenced_node_whose_run_closed_leaves_without_registering() -> None:
+    closed = Snapshot(round=R1, nodes=nodes("b"), in_process=True, closed="finished")
+    decision = policy.decide(FENCED_R1, observe(closed, WorkerState.IDLE), SETTINGS)
+    assert kinds(decision) == ["Exit"]
 
 
 def test_a_new_alarm_in_our_round_is_answered_once() -> None:
@@ -254,14 +280,14 @@ def test_finished_without_us(state: AgentState, workers: WorkerState, acks: tupl
 
 # joining -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("snapshot", "standby"), [
-    (dataclasses.replace(IN_R1, in_process=True), False),  # we are a member already
-    (Snapshot(round=R1, nodes=nodes("b"), in_process=True), False),
+    (dataclasses.replace(IN_R1, in_process=True), True),  # listed: we restarted
+    (Snapshot(round=R1, nodes=nodes("b"), in_process=True), True),  # listed, lease gone
     (Snapshot(round=round_of("b", "c"), nodes=nodes("b", "c"), in_process=True), True),
     (Snapshot(round=round_of("b", "c"), nodes=nodes("b", "c")), False),  # restart mode
     (Snapshot(round=round_of("b", "c"), nodes={}, in_process=True, completing=True), False),
 ])
 def test_joins_in_standby(snapshot: Snapshot, standby: bool) -> None:
-    assert policy.joins_in_standby(snapshot, "a") is standby
+    assert policy.joins_in_standby(snapshot) is standby
 
 
 def test_a_finished_run_with_nobody_left_is_stale() -> None:
@@ -321,11 +347,49 @@ def test_restart_budget_and_the_ways_to_restart() -> None:
     three = Snapshot(round=round_of("a", "b", "c"), nodes=nodes("a", "b", "c"))
     standby = policy.on_restart_counted(facts(three, in_process=True), 1, SETTINGS)
     assert isinstance(standby, policy.RestartInStandby) and standby.round == three.round
-    # At min nodes, stepping out would stop the job: everyone restarts instead.
-    assert isinstance(policy.on_restart_counted(facts(IN_R1, in_process=True), 1, SETTINGS),
-                      policy.ProposeRound)
+    # At min nodes, stepping out would stop the job: the node stays without ranks instead.
+    replace = policy.on_restart_counted(facts(IN_R1, in_process=True), 1, SETTINGS)
+    assert isinstance(replace, policy.ReplaceWorkers)
+    without = replace.proposal.proposal
+    assert (without.round.members, without.round.nprocs) == (R1.members, (0, 1))
+    assert (without.round.number, without.expected_token) == (2, R1.token)
+    # A peer's alarm already restarted the round with our ranks: replaced again, from there.
+    restarted = Snapshot(round=dataclasses.replace(R1, number=2, token=55), nodes=nodes("a", "b"))
+    again_without = policy.on_restart_counted(facts(restarted, in_process=True), 1, SETTINGS)
+    assert isinstance(again_without, policy.ReplaceWorkers)
+    assert again_without.proposal.proposal.expected_token == 55
     moved_on = Snapshot(round=R2, nodes=nodes("a", "b"))
     assert policy.on_restart_counted(facts(moved_on), 1, SETTINGS) is None
+
+
+WITHOUT_A = dataclasses.replace(R1, number=2, nprocs=(0, 1), token=60)
+"""a's workers are being replaced: it is a member with no ranks."""
+STANDBY = AgentState(phase=Phase.STANDBY, round=dataclasses.replace(WITHOUT_A, number=-1),
+                     ever_ran=True)
+
+
+@pytest.mark.parametrize(("state", "obs", "grows_back"), [
+    (STANDBY, observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b")), acks=(-1,)), True),
+    # replacements still importing (no announcement yet): not yet
+    (STANDBY, observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b")), acks=(None,)), False),
+    # they did not start in time and were stopped: the round restarts ours
+    (AgentState(ever_ran=True), observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b")),
+                                        WorkerState.IDLE), True),
+    # the job is finishing: no new rounds
+    (STANDBY, observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b"), completing=True),
+                      acks=(-1,)), False),
+    # our ranks are in the round already
+    (STANDBY, observe(acks=(-1,)), False),
+])
+def test_a_node_whose_workers_were_replaced_asks_for_its_ranks_back(
+        state: AgentState, obs: Observation, grows_back: bool) -> None:
+    decision = policy.decide(state, obs, SETTINGS)
+    proposals = [a for a in decision.actions if isinstance(a, policy.ProposeRound)]
+    assert bool(proposals) == grows_back, decision.actions
+    if grows_back:
+        (back,) = proposals
+        assert (back.proposal.round.nprocs, back.proposal.round.number) == ((1, 1), 3)
+        assert back.proposal.expected_token == WITHOUT_A.token
 
 
 # root causes ---------------------------------------------------------------------------
