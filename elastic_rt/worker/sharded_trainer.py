@@ -25,7 +25,6 @@ from typing import Any
 
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_state_dict,
     set_state_dict,
 )
 
@@ -51,7 +50,9 @@ from elastic_rt.worker.replicated import (
 )
 from elastic_rt.worker.state_sync import broadcast_state
 from elastic_rt.worker.train_state import TrainState
-from elastic_rt.worker.trainers import BuildFn, Restoring, load_checkpoint
+from elastic_rt.worker.trainers import (
+    BuildFn, Restoring, load_checkpoint, named_state, runtime_extra,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -234,17 +235,11 @@ class ShardedTrainer:
     def checkpoint_state(self) -> dict[str, Any]:
         """Model and optimizer state by parameter name; DTensor shards under FSDP/HSDP."""
         assert self.state is not None
-        model_state, optim_state = get_state_dict(self.state.model, self.state.optimizer,
-                                                  options=_FLAT)
-        return {"model": model_state, "optimizer": optim_state}
+        return named_state(self.state)
 
     def checkpoint_extra(self) -> dict[str, Any]:
         assert self.state is not None and self.stepper is not None
-        extra: dict[str, Any] = {"extras": self.state.extras,
-                                 "runtime": self.stepper.runtime_state()}
-        if self.state.scheduler is not None:
-            extra["scheduler"] = self.state.scheduler.state_dict()
-        return extra
+        return runtime_extra(self.state, self.stepper)
 
     def release(self) -> None:
         if self.stepper is not None:

@@ -215,17 +215,11 @@ class ReplicatedTrainer:
         collides between pipeline stages; the flattened form names each entry.
         """
         assert self.state is not None
-        model_state, optim_state = get_state_dict(self.state.model, self.state.optimizer,
-                                                  options=_FLAT)
-        return {"model": model_state, "optimizer": optim_state}
+        return named_state(self.state)
 
     def checkpoint_extra(self) -> dict[str, Any]:
         assert self.state is not None and self.stepper is not None
-        extra: dict[str, Any] = {"extras": self.state.extras,
-                                 "runtime": self.stepper.runtime_state()}
-        if self.state.scheduler is not None:
-            extra["scheduler"] = self.state.scheduler.state_dict()
-        return extra
+        return runtime_extra(self.state, self.stepper)
 
     def release(self) -> None:
         if self.stepper is not None:
@@ -306,3 +300,17 @@ class OwnedStepTrainer:
 
     def release(self) -> None:
         """Nothing to let go: the object is rebuilt at the next restore."""
+
+
+def named_state(state: TrainState) -> dict[str, Any]:
+    """Model and optimizer state keyed by parameter name (DTensor shards stay shards)."""
+    model_state, optim_state = get_state_dict(state.model, state.optimizer, options=_FLAT)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def runtime_extra(state: TrainState, stepper: ReplicatedStep) -> dict[str, Any]:
+    """What a checkpoint keeps beside the tensors: extras, scaler and scheduler state."""
+    extra: dict[str, Any] = {"extras": state.extras, "runtime": stepper.runtime_state()}
+    if state.scheduler is not None:
+        extra["scheduler"] = state.scheduler.state_dict()
+    return extra
