@@ -2,12 +2,17 @@
 
 DDP's reducer, rebuilt for a world that changes: parameters are put into buckets in
 reverse order (the order backward produces their gradients), each parameter's ``.grad``
-is a view into its bucket's flat buffer, and a bucket's all-reduce starts from a
+ends up a view into its bucket's flat buffer, and a bucket's all-reduce starts from a
 post-accumulate-grad hook as soon as its last gradient is in, while backward goes on
-with the layers below. Buckets are launched strictly in bucket order on every rank
-(collectives on one group must be issued in the same order everywhere), and any bucket
-whose gradients never came (unused parameters, or a rank whose share of the global batch
-is empty and ran no backward) is launched, full of zeros, when the step finishes.
+with the layers below. As in DDP, a step starts with no gradients: backward hands each
+fresh gradient to the hook, which copies it into the bucket (later micro-batches then
+accumulate into the bucket directly). Zero-filling the buckets first and letting
+backward add into them costs a fill and an extra read of every gradient per step
+(4-5 ms of a 200 ms step on the 16.8M-parameter MLP of ``scripts/bench/overhead.py``).
+Buckets are launched strictly in bucket order on every rank (collectives on one group
+must be issued in the same order everywhere), and any bucket whose gradients never came
+(unused parameters, or a rank whose share of the global batch is empty and ran no
+backward) is launched when the step finishes, with zeros for the missing gradients.
 
 Why not wrap the model in ``DistributedDataParallel``: the user's ``step`` keeps calling
 its own module (``state.model`` stays what ``build`` returned, names and attributes
@@ -66,7 +71,8 @@ class GradSync:
     """How gradients are averaged over the data-parallel ranks."""
 
     bucket_cap_mb: float = 25.0
-    """Largest bucket, in MiB (DDP's default); smaller buckets start reducing sooner."""
+    """A bucket closes once it holds this many MiB (DDP's default and rule); smaller
+    buckets start reducing sooner."""
     first_bucket_mb: float = 1.0
     """The first bucket (the last layers' gradients) is small, so reduction starts early."""
     comm_hook: CommHook = allreduce_sum
@@ -89,8 +95,9 @@ class _Bucket:
 class GradientBuckets:
     """One round's gradient reducer for one model; rebuilt at every re-form.
 
-    Invariant between steps: every trainable parameter's ``.grad`` is a view into its
-    bucket (re-attached at each :meth:`begin`, in case user code replaced a gradient).
+    Invariant after :meth:`finish`: every trainable parameter's ``.grad`` is a view into
+    its bucket, holding the sum over the group (zeros for a parameter backward never
+    reached, on every rank, so all ranks apply the same update).
 
     Args:
         model: whose trainable parameters are averaged.
@@ -104,6 +111,7 @@ class GradientBuckets:
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = _make_buckets(params[::-1], options)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._futures: list[Future[Any]] = []
         self._next = 0
@@ -115,9 +123,10 @@ class GradientBuckets:
                 p.grad = view
 
     def zero_grad(self) -> None:
-        """Zero every gradient in place (one fill per bucket); the views stay attached."""
+        """Start a step with no gradients; the hook moves each new one into its bucket."""
         for bucket in self.buckets:
-            bucket.buffer.zero_()
+            for p in bucket.params:
+                p.grad = None
 
     def begin(self, *, is_last_backward: bool) -> None:
         """Before a backward: reduce during it only if it is the step's last one.
@@ -127,9 +136,6 @@ class GradientBuckets:
         self._is_last_backward = is_last_backward
         if self._next == 0:
             for bucket in self.buckets:
-                for p, view in zip(bucket.params, bucket.views):
-                    if p.grad is not view:
-                        p.grad = view
                 bucket.pending = len(bucket.params)
 
     def finish(self) -> None:
@@ -140,6 +146,8 @@ class GradientBuckets:
             RoundAbandoned: a newer round dropped a peer while we waited (``abort``).
         """
         try:
+            for bucket in self.buckets[self._next:]:
+                _settle_views(bucket)
             if self.is_active:
                 self._launch_ready(until=len(self.buckets))
                 for bucket, future in zip(self.buckets, self._futures):
@@ -159,6 +167,11 @@ class GradientBuckets:
         self._futures = []
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        view = self._view_of[id(param)]
+        if param.grad is not view:  # the step's first gradient: move it into the bucket
+            assert param.grad is not None
+            view.copy_(param.grad)
+            param.grad = view
         if not (self._is_last_backward and self.is_active):
             return
         bucket = self._bucket_of[id(param)]
@@ -176,20 +189,34 @@ class GradientBuckets:
             self._next += 1
 
 
+def _settle_views(bucket: _Bucket) -> None:
+    """Before a bucket is reduced: every parameter's gradient in it, zeros for one that
+    got none this step (unused, or no backward on this rank)."""
+    for p, view in zip(bucket.params, bucket.views):
+        if p.grad is None:
+            view.zero_()
+        elif p.grad is not view:  # set by user code, not by backward
+            view.copy_(p.grad)
+        p.grad = view
+
+
 def _make_buckets(params: list[torch.nn.Parameter], options: GradSync) -> list[_Bucket]:
-    """Consecutive parameters of one dtype and device, up to the cap in bytes."""
+    """Consecutive parameters of one dtype and device; a bucket closes once it reaches the
+    cap (DDP's rule), so a layer's weight goes out with its own bias rather than waiting
+    for the next layer's bias to fill a bucket that would have overflowed."""
     buckets: list[_Bucket] = []
     current: list[torch.nn.Parameter] = []
     size = 0
     cap = options.first_bucket_mb
     for p in params:
-        nbytes = p.numel() * p.element_size()
-        kind_changed = current and (p.dtype, p.device) != (current[0].dtype, current[0].device)
-        if current and (kind_changed or size + nbytes > cap * 2**20):
+        if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
             buckets.append(_Bucket(current))
             current, size, cap = [], 0, options.bucket_cap_mb
         current.append(p)
-        size += nbytes
+        size += p.numel() * p.element_size()
+        if size >= cap * 2**20:
+            buckets.append(_Bucket(current))
+            current, size, cap = [], 0, options.bucket_cap_mb
     if current:
         buckets.append(_Bucket(current))
     return buckets

@@ -70,7 +70,7 @@ def _grad(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def test_uneven_shares_and_micro_batches_sum_to_the_global_batch_gradient() -> None:
-    options = GradSync(bucket_cap_mb=0.01, first_bucket_mb=0.001)  # several buckets
+    options = GradSync(bucket_cap_mb=0.01, first_bucket_mb=0.0002)  # several buckets
     results = run_workers(_reduce, 3, args=(options, 2))
     want = _reference()
     for result in results:
@@ -96,3 +96,33 @@ def test_a_compressing_hook_reduces_within_bfloat16_precision() -> None:
     for name, grad in results[0]["grads"].items():
         torch.testing.assert_close(grad, want[name], atol=1e-2, rtol=1e-2)
         assert not torch.equal(grad, want[name]) or grad.abs().max() == 0
+
+
+def _reduce_with_a_branch(env: WorkerEnv) -> dict[str, object]:
+    """Rank 0 never reaches ``extra``; rank 1 does. Two steps on the same buckets."""
+    dist.init_process_group("gloo", store=env.store, rank=env.rank, world_size=env.nprocs)
+    torch.manual_seed(0)
+    body, extra = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    model = torch.nn.ModuleDict({"body": body, "extra": extra})
+    buckets = GradientBuckets(model, dist.group.WORLD, GradSync())  # type: ignore[arg-type]
+    x = torch.ones(2, 4) * (env.rank + 1)
+    for _ in range(2):
+        buckets.zero_grad()
+        buckets.begin(is_last_backward=True)
+        out = body(x)
+        loss = (extra(out).sum() if env.rank == 1 else out.sum())
+        loss.backward()
+        buckets.finish()
+    in_buckets = all(any(p.grad.data_ptr() == v.data_ptr() for b in buckets.buckets
+                         for v in b.views) for p in model.parameters() if p.grad is not None)
+    grads = {name: _grad(p).clone() for name, p in model.named_parameters()}
+    dist.destroy_process_group()
+    return {"grads": grads, "in_buckets": in_buckets}
+
+
+def test_a_parameter_one_rank_never_reached_gets_the_other_ranks_gradient() -> None:
+    rank0, rank1 = run_workers(_reduce_with_a_branch, 2)
+    assert rank0["in_buckets"] and rank1["in_buckets"]
+    for name in rank0["grads"]:
+        torch.testing.assert_close(rank0["grads"][name], rank1["grads"][name], atol=0, rtol=0)
+    assert rank0["grads"]["extra.weight"].abs().sum() > 0  # rank 1's gradient, not zeros
