@@ -23,6 +23,16 @@ steps): glibc's default 1225-1555 MiB peak RSS per worker; mmap threshold pinned
 every step instead costs 55 ms a step (every page of the step's temporaries is faulted
 back in), as does an mmap threshold of 1 MiB (50-70 ms); torch's own advice for the
 symptom is another allocator (jemalloc, tcmalloc), which needs an extra library.
+
+Neither under FSDP (``run(limits=ModelLimits(max_shard > 1))``, chosen in ``loop.run``):
+there every unit's all-gathered parameters and unsharded gradients (16 MiB apiece on that
+MLP) are allocated and freed again within each step, so the free top of the heap is what
+the next step needs. Pinned, the 128 KiB trim threshold gave those pages back at every
+free, and the trimmer fired every two or three steps (the heap swings by more than its
+margin within a step): about 70,000 minor page faults a step per worker against the
+twin's 3,000-27,000, and 1.3-1.7x the step time of torchrun + ``fully_shard``. Left to
+glibc's own adaptation, as in that twin, the sharded path faults and steps as the twin
+does (``scripts/bench/overhead.py --fsdp`` prints both figures).
 """
 
 from __future__ import annotations
