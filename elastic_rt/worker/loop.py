@@ -92,7 +92,11 @@ from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.root_cause import write_error_file
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.abort import round_notice
-from elastic_rt.worker.allocator import HeapTrimmer, pin_mmap_threshold
+from elastic_rt.worker.allocator import (
+    SHARDED_TRIM_THRESHOLD_BYTES,
+    HeapTrimmer,
+    pin_mmap_threshold,
+)
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
@@ -204,11 +208,10 @@ def run(
             "Leave both unset with max_shard > 1, or train replicated (max_shard=1).",
         )
     check_dataset(dataset)
-    # A steady heap over a long run, except under FSDP: its per-step buffers are what glibc's
-    # own thresholds keep, and trimming them cost 1.3-1.6x in page faults (worker/allocator.py).
+    # A steady heap over a long run; under FSDP one that keeps a step's gathered parameters
+    # and gradients for the next step instead of trimming them (worker/allocator.py).
     is_sharded = step is not None and limits.max_shard > 1
-    if not is_sharded:
-        pin_mmap_threshold()
+    pin_mmap_threshold(trim_threshold_bytes=SHARDED_TRIM_THRESHOLD_BYTES if is_sharded else None)
     sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
                              micro_batch_size=micro_batch_size)
     options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
