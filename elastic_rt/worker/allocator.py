@@ -33,8 +33,9 @@ trimmer fired every two or three steps (the heap swings by more than its margin 
 step): about 70,000 minor page faults a step per worker, and 1.3-1.7x the step time of
 torchrun + ``fully_shard``. glibc's own adaptation (the twin's) stops at a 64 MiB trim
 threshold and still faults 10,000-45,000 pages a step, varying from run to run with the
-order of frees (1.04-1.15x); pinned at 32 MiB and 256 MiB, 0.9-1.0x the twin at about the
-twin's peak RSS (``scripts/bench/overhead.py --fsdp`` prints both figures).
+order of frees (1.14x, median of 8 runs); pinned at 32 MiB and 256 MiB, 1.05x (median of
+11 runs) at 0.96x the twin's peak RSS (``scripts/bench/overhead.py --fsdp`` prints both
+figures; the rest of the gap is not the heap, see ``docs/sharding.md``).
 """
 
 from __future__ import annotations
