@@ -23,6 +23,19 @@ steps): glibc's default 1225-1555 MiB peak RSS per worker; mmap threshold pinned
 every step instead costs 55 ms a step (every page of the step's temporaries is faulted
 back in), as does an mmap threshold of 1 MiB (50-70 ms); torch's own advice for the
 symptom is another allocator (jemalloc, tcmalloc), which needs an extra library.
+
+Under FSDP (``run(limits=ModelLimits(max_shard > 1))``, chosen in ``loop.run``) the
+trimmer is off and the trim threshold is pinned too, at 256 MiB: there every unit's
+all-gathered parameters and unsharded gradients (16 MiB apiece on that MLP) are allocated
+and freed again within each step, so the free top of the heap is what the next step needs.
+With the 128 KiB trim threshold those pages went back to the OS at every free, and the
+trimmer fired every two or three steps (the heap swings by more than its margin within a
+step): about 70,000 minor page faults a step per worker, and 1.3-1.7x the step time of
+torchrun + ``fully_shard``. glibc's own adaptation (the twin's) stops at a 64 MiB trim
+threshold and still faults 10,000-45,000 pages a step, varying from run to run with the
+order of frees (1.14x, median of 8 runs); pinned at 32 MiB and 256 MiB, 1.05x (median of
+11 runs) at 0.96x the twin's peak RSS (``scripts/bench/overhead.py --fsdp`` prints both
+figures; the rest of the gap is not the heap, see ``docs/sharding.md``).
 """
 
 from __future__ import annotations
@@ -38,8 +51,11 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
+_M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc's own adaptation reaches (64-bit)
+SHARDED_TRIM_THRESHOLD_BYTES = 256 << 20
+"""Under FSDP: the free top of a heap kept for the next step (see the module's docstring)."""
 _USER_SETTINGS_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
@@ -56,8 +72,12 @@ def _glibc() -> Any | None:
     return libc
 
 
-def pin_mmap_threshold() -> bool:
+def pin_mmap_threshold(*, trim_threshold_bytes: int | None = None) -> bool:
     """Stop glibc from adapting its mmap and trim thresholds for the rest of this process.
+
+    Args:
+        trim_threshold_bytes: also fix the trim threshold (the free memory kept at the top
+            of a heap) at this, instead of leaving it at glibc's 128 KiB default.
 
     Returns whether the threshold was set (not on other C libraries, nor when the user
     set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``).
@@ -66,6 +86,8 @@ def pin_mmap_threshold() -> bool:
     if libc is None:
         return False
     is_set = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    if trim_threshold_bytes is not None:
+        is_set = bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)) and is_set
     logger.debug("malloc mmap threshold pinned at %d bytes: %s", MMAP_THRESHOLD_BYTES, is_set)
     return is_set
 

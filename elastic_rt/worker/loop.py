@@ -92,7 +92,11 @@ from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.root_cause import write_error_file
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.abort import round_notice
-from elastic_rt.worker.allocator import HeapTrimmer, pin_mmap_threshold
+from elastic_rt.worker.allocator import (
+    SHARDED_TRIM_THRESHOLD_BYTES,
+    HeapTrimmer,
+    pin_mmap_threshold,
+)
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
@@ -204,7 +208,10 @@ def run(
             "Leave both unset with max_shard > 1, or train replicated (max_shard=1).",
         )
     check_dataset(dataset)
-    pin_mmap_threshold()  # a steady heap over a long run; see worker/allocator.py
+    # A steady heap over a long run; under FSDP one that keeps a step's gathered parameters
+    # and gradients for the next step instead of trimming them (worker/allocator.py).
+    is_sharded = step is not None and limits.max_shard > 1
+    pin_mmap_threshold(trim_threshold_bytes=SHARDED_TRIM_THRESHOLD_BYTES if is_sharded else None)
     sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
                              micro_batch_size=micro_batch_size)
     options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
@@ -217,7 +224,7 @@ def run(
         trainer=trainer, checkpoint=checkpoint, limits=limits, sampler=sampler,
         batches=BatchSource(dataset, sampler, loader or LoaderOptions(collate_fn=collate)),
         max_failed_steps=max_failed_steps, reform_timeout=reform_timeout, seed=seed,
-        on_step=on_step,
+        on_step=on_step, trim_heap=not is_sharded,
     )  # fmt: skip
     return loop.run(max_steps)
 
@@ -226,7 +233,7 @@ class _ElasticLoop:
     def __init__(self, *, trainer: Trainer, checkpoint: Checkpointer | None,
                  limits: ModelLimits, sampler: ElasticSampler, batches: BatchSource,
                  max_failed_steps: int, reform_timeout: timedelta, seed: int,
-                 on_step: Callable[[StepReport], None] | None) -> None:
+                 on_step: Callable[[StepReport], None] | None, trim_heap: bool) -> None:
         self.trainer = trainer
         self.checkpoint, self.limits, self.sampler = checkpoint, limits, sampler
         self.batches, self.on_step = batches, on_step
@@ -254,7 +261,7 @@ class _ElasticLoop:
         self.store: dist.Store | None = None
         self.progress = Progress()
         self.clock = StepClock()
-        self.heap = HeapTrimmer()
+        self.heap = HeapTrimmer() if trim_heap else None
         self.watchdog = HangWatchdog(self.clock, self.env.hang_factor, self._report_stall)
         self.publisher = ProgressPublisher(self.follower.registry) if self.follower else None
         if checkpoint is not None and self.follower is not None:
@@ -467,7 +474,8 @@ class _ElasticLoop:
             self.events.emit("step.resumed", round=self.ctx.round, step=step,
                              downtime_ms=int(downtime * 1000), world_size=self.ctx.world_size)
             self.progress.failed_at = None
-        self.heap.after_step()
+        if self.heap is not None:
+            self.heap.after_step()
         self._publish_progress()
         extra = {} if global_loss is None else {"global_loss": global_loss}
         self.events.emit("step.completed", round=self.ctx.round, step=step,

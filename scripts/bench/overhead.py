@@ -21,7 +21,9 @@ mean, after ``--warmup`` steps (the median of windows shrugs off the spikes othe
 processes on a shared machine cause). Runs of the two loops alternate, ``--repeats``
 times each; the figure is the median over runs. Peak RSS is the larger of the two
 training processes' ``ru_maxrss`` (DataLoader worker processes are alike on both sides
-and not counted).
+and not counted). Page faults per step are the larger of the two processes' minor faults
+over the steady steps: memory the heap gave back and the next step faulted in again (an
+allocator that trims too eagerly shows here first).
 
 Run:  python scripts/bench/overhead.py                  # ~10 min
       python scripts/bench/overhead.py --cases mlp10m --repeats 1 --steps 80
@@ -66,8 +68,9 @@ def steady_step_time(times: list[float], warmup: int, window: int) -> float:
 
 
 def run_once(loop: str, case: str, args: argparse.Namespace, etcd: EtcdServer,
-             work: Path) -> tuple[list[float], float]:
-    """(step start times of rank 0, peak RSS in MiB over the ranks) of one run."""
+             work: Path) -> tuple[list[float], float, float]:
+    """(step start times of rank 0, peak RSS in MiB and minor page faults per steady step,
+    the larger over the ranks) of one run."""
     times, rss = work / "times.json", work / "rss"
     for old in [times, *work.glob("rss.*")]:
         old.unlink(missing_ok=True)
@@ -83,8 +86,10 @@ def run_once(loop: str, case: str, args: argparse.Namespace, etcd: EtcdServer,
         command = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    "--nproc-per-node", "2", *script, "--loop", "fsdp" if args.fsdp else "ddp"]
     _run(command, work / f"{loop}.log", args.timeout)
-    peaks = [json.loads(p.read_text())["peak_mib"] for p in work.glob("rss.*")]
-    return json.loads(times.read_text()), max(peaks)
+    ranks = [json.loads(p.read_text()) for p in work.glob("rss.*")]
+    faults = [(r["minflt"][-1] - r["minflt"][args.warmup]) / (len(r["minflt"]) - 1 - args.warmup)
+              for r in ranks]
+    return json.loads(times.read_text()), max(r["peak_mib"] for r in ranks), max(faults)
 
 
 def _run(command: list[str], log: Path, timeout: float) -> None:
@@ -127,6 +132,7 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.1f}; logs in {work}", flush=True)
     steps: dict[tuple[str, str], list[float]] = {}
     peaks: dict[tuple[str, str], list[float]] = {}
+    faults: dict[tuple[str, str], list[float]] = {}
     loops = (LOOPS[0], "torchrun+FSDP2") if args.fsdp else LOOPS
     try:
         with interruptible(), EtcdServer() as etcd:
@@ -134,23 +140,26 @@ def main() -> int:
                 for i in range(args.repeats):
                     for loop in (loops if i % 2 == 0 else loops[::-1]):
                         began = time.monotonic()
-                        times, peak = run_once(loop, case, args, etcd, work)
+                        times, peak, fault = run_once(loop, case, args, etcd, work)
                         step = steady_step_time(times, args.warmup, args.window)
                         steps.setdefault((case, loop), []).append(step)
                         peaks.setdefault((case, loop), []).append(peak)
+                        faults.setdefault((case, loop), []).append(fault)
                         print(f"  {case} run {i + 1} {loop}: {step * 1000:.1f} ms/step, peak RSS "
-                              f"{peak:.0f} MiB (run took {time.monotonic() - began:.0f} s)",
-                              flush=True)
+                              f"{peak:.0f} MiB, {fault:.0f} page faults/step (run took "
+                              f"{time.monotonic() - began:.0f} s; load average "
+                              f"{os.getloadavg()[0]:.1f})", flush=True)
     except KeyboardInterrupt:
         print("interrupted; everything started was killed", file=sys.stderr)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    return _report(args.cases, steps, peaks, loops)
+    return _report(args.cases, steps, peaks, faults, loops)
 
 
 def _report(cases: list[str], steps: dict[tuple[str, str], list[float]],
-            peaks: dict[tuple[str, str], list[float]], loops: tuple[str, str]) -> int:
+            peaks: dict[tuple[str, str], list[float]], faults: dict[tuple[str, str], list[float]],
+            loops: tuple[str, str]) -> int:
     rows, verdicts = [], []
     twin_name = loops[1]
     for case in cases:
@@ -162,14 +171,16 @@ def _report(cases: list[str], steps: dict[tuple[str, str], list[float]],
         for key in (ours, twin):
             ms = median(steps[key]) * 1000  # type: ignore[operator]
             rows.append([case, key[1], fmt(ms, ".1f"),
-                         " ".join(f"{x * 1000:.1f}" for x in steps[key]), f"{max(peaks[key]):.0f}"])
+                         " ".join(f"{x * 1000:.1f}" for x in steps[key]), f"{max(peaks[key]):.0f}",
+                         fmt(median(faults[key]), ".0f")])
         verdicts.append(f"{case}: step time {step_ratio:.3f}x {twin_name} (target <= 1.02: "
                         f"{'met' if step_ratio <= 1.02 else 'MISSED'}), peak RSS {rss_ratio:.3f}x "
                         f"(target <= 1.05: {'met' if rss_ratio <= 1.05 else 'MISSED'})")
     if not rows:
         return 1
     print()
-    print(table(["case", "loop", "step ms (median)", "runs (ms)", "peak RSS MiB"], rows))
+    print(table(["case", "loop", "step ms (median)", "runs (ms)", "peak RSS MiB",
+                 "page faults/step"], rows))
     print()
     print("\n".join(verdicts))
     return 0

@@ -14,8 +14,10 @@ reads from storage does), the same global batch, AdamW, and a DataLoader with
   every rank, as the runtime does.
 
 Rank 0 keeps the wall-clock time at which each step starts, in memory, and writes them
-to ``--times`` (JSON) at the end; every rank writes its peak RSS (``ru_maxrss``, MiB) to
-``--rss``.RANK. ``scripts/bench/overhead.py`` runs the two side by side.
+to ``--times`` (JSON) at the end; every rank writes its peak RSS (``ru_maxrss``, MiB) and
+its count of minor page faults at the start of each step (``ru_minflt``: memory the heap
+gave back and the next step faulted in again) to ``--rss``.RANK.
+``scripts/bench/overhead.py`` runs the two side by side.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def train_elastic(args: argparse.Namespace, times: list[float]) -> int:
+def train_elastic(args: argparse.Namespace, times: list[float], faults: list[int]) -> int:
     import elastic_rt as ert
 
     def build(layout: ert.Layout) -> ert.TrainState:
@@ -83,6 +85,7 @@ def train_elastic(args: argparse.Namespace, times: list[float]) -> int:
 
     def train_step(state: ert.TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         times.append(time.time())
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
         x, y = batch
         return torch.nn.functional.mse_loss(state.model(x), y)
 
@@ -95,7 +98,7 @@ def train_elastic(args: argparse.Namespace, times: list[float]) -> int:
     return ert.context().rank
 
 
-def train_twin(args: argparse.Namespace, times: list[float]) -> int:
+def train_twin(args: argparse.Namespace, times: list[float], faults: list[int]) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
@@ -125,6 +128,7 @@ def train_twin(args: argparse.Namespace, times: list[float]) -> int:
         sampler.set_epoch(epoch)
         for x, y in loader:
             times.append(time.time())
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
@@ -141,12 +145,15 @@ def train_twin(args: argparse.Namespace, times: list[float]) -> int:
 def main() -> None:
     args = parse_args()
     times: list[float] = []
-    rank = train_elastic(args, times) if args.loop == "elastic" else train_twin(args, times)
+    faults: list[int] = []
+    train = train_elastic if args.loop == "elastic" else train_twin
+    rank = train(args, times, faults)
     if rank == 0:
         times.append(time.time())  # the end of the last step
         Path(args.times).write_text(json.dumps(times))
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(f"{args.rss}.{rank}").write_text(json.dumps({"pid": os.getpid(), "peak_mib": peak_mib}))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    Path(f"{args.rss}.{rank}").write_text(json.dumps({
+        "pid": os.getpid(), "peak_mib": usage.ru_maxrss / 1024, "minflt": faults}))
 
 
 if __name__ == "__main__":

@@ -78,3 +78,35 @@ def test_free_chunks_below_a_live_block_are_returned_to_the_system() -> None:
                          timeout=60, check=True).stdout.split()
     assert out[0] == "True"
     assert int(out[1]) >= 200, f"only {out[1]} MiB returned"
+
+
+@pytest.mark.parametrize("trim_threshold, kept", [(None, False), (256 * MiB, True)])
+def test_a_freed_block_at_the_heap_top_is_kept_for_the_next_step_under_fsdp(
+    trim_threshold: int | None, kept: bool,
+) -> None:
+    """The sharded path's trim threshold keeps a freed 16 MiB block (an FSDP unit's gathered
+    parameters) resident, so allocating it again faults no page in; the plain pinned
+    threshold gives it back to the system and every page faults in again."""
+    program = textwrap.dedent(f"""
+        import resource
+        from elastic_rt.worker.allocator import pin_mmap_threshold
+        assert pin_mmap_threshold(trim_threshold_bytes={trim_threshold})
+
+        def touched(size):
+            block = bytearray(size)  # from the heap (< 32 MiB)
+            block[::4096] = bytes(len(block[::4096]))
+            return block
+
+        block = touched(16 << 20)
+        del block
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = touched(16 << 20)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    """)
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    faults = int(out)
+    if kept:
+        assert faults < 500, f"{faults} page faults: the freed block was not kept"
+    else:
+        assert faults > 3000, f"only {faults} page faults: the freed block was kept"
