@@ -54,6 +54,10 @@ class HarnessLoad:
     """Seconds each etcd call took once on a thread: etcd's (and gRPC's) own pace."""
     cpu_seconds: float = 0.0
     wall_seconds: float = 0.0
+    total_cpu: float = 0.0
+    """Cores all the harness's processes used together (agents/swarm_slice.py); the
+    share judged is one process's (:attr:`cpu_share`), the one that can hit the GIL."""
+    processes: int = 1
 
     @property
     def cpu_share(self) -> float:
@@ -86,7 +90,8 @@ class HarnessLoad:
         return (f"loop lag p90/p99 {_p(self.loop_lag, 0.9) * 1000:.0f}/"
                 f"{_p(self.loop_lag, 0.99) * 1000:.0f} ms, call queue p90 "
                 f"{_p(self.queue_wait, 0.9) * 1000:.0f} ms, call p90 "
-                f"{_p(self.service, 0.9) * 1000:.0f} ms, harness cpu {self.cpu_share:.2f}")
+                f"{_p(self.service, 0.9) * 1000:.0f} ms, harness cpu {self.cpu_share:.2f} "
+                f"(busiest of {self.processes} processes; {self.total_cpu:.2f} in all)")
 
 
 def _p(values: list[float], q: float) -> float:
@@ -116,6 +121,10 @@ class Swarm:
         self._lock = threading.Lock()
         self._leases: dict[int, Callable[[], Awaitable[None]]] = {}
 
+    @property
+    def clients(self) -> list[KVStore]:
+        return list(self._clients)
+
     def kv(self) -> KVStore:
         """The next shared client (round robin), as a node's own."""
         return self._clients[next(self._next) % len(self._clients)]
@@ -144,6 +153,7 @@ class Swarm:
             self.load.loop_lag.append(max(0.0, time.monotonic() - expected))
         self.load.wall_seconds = time.monotonic() - began
         self.load.cpu_seconds = _cpu() - cpu
+        self.load.total_cpu = self.load.cpu_share
 
     def keep(self, lease_id: int, on_lost: Callable[[], Awaitable[None]]) -> None:
         """Renew ``lease_id`` from now on; ``on_lost`` runs when etcd says it expired."""
