@@ -254,13 +254,19 @@ class SwarmNode:
         self._loop = asyncio.get_running_loop()
         self._tasks.append(asyncio.create_task(self._run(), name=self.node_id))
 
-    async def stop(self, *, revoke: bool = True) -> None:
-        """Leave: with ``revoke`` the key goes now (a graceful leave or an eviction)."""
+    async def stop(self, *, revoke: bool = True, cancel_watch: bool = True) -> None:
+        """Leave: with ``revoke`` the key goes now (a graceful leave or an eviction).
+
+        ``cancel_watch=False`` when the shared clients close next (their channels end
+        every watch at once): a thousand cancels one by one on a busy stream can
+        block the loop (python-etcd3 queues each on a bounded queue, under its lock).
+        """
         self.swarm.forget(self.lease)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.watch.close()
+        if cancel_watch:
+            self.watch.close()
         if revoke and self.lease:
             try:
                 await self.swarm.call(self.kv.revoke_lease, self.lease)

@@ -246,6 +246,8 @@ def run_swarm(endpoint: str, n_nodes: int, *, processes: int = 4, events: bool =
                 etcd_pid))
     finally:
         loads = slices.close(timeout)
-    if loads:
-        report.load = merge_loads(loads)
+    if not loads:
+        raise RuntimeError("the swarm slices did not report their load, so whether the "
+                           "harness set the pace cannot be judged")
+    report.load = merge_loads(loads)
     return report

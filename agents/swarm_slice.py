@@ -146,7 +146,8 @@ class _Slice:
         finally:
             stop.set()
             await asyncio.gather(monitor, keeper)
-            await asyncio.gather(*(node.stop() for node in nodes))
+            await asyncio.wait_for(
+                asyncio.gather(*(node.stop(cancel_watch=False) for node in nodes)), 30)
             swarm.close()
         self.conn.send(("closed", swarm.load))
 
