@@ -209,7 +209,7 @@ def _summed(counts: Iterator[dict[str, int]]) -> dict[str, int]:
 
 
 def run_swarm(endpoint: str, n_nodes: int, *, processes: int = 4, events: bool = True,
-              clients: int = 16, workers: int = 64, timeout: float = 60.0, settle: float = 3.0,
+              clients: int = 32, workers: int = 64, timeout: float = 60.0, settle: float = 3.0,
               etcd_pid: int | None = None, **node_kwargs: Any) -> SwarmReport:
     """Form a round of ``n_nodes`` over ``processes`` slices; with ``events``, then
     evict one node and admit one.

@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--processes", type=int, default=4,
                         help="swarm slices, each a process with its own clients and threads")
-    parser.add_argument("--clients", type=int, default=16,
+    parser.add_argument("--clients", type=int, default=32,
                         help="shared etcd channels per slice")
     parser.add_argument("--workers", type=int, default=64,
                         help="threads for blocking calls per slice")
