@@ -1,4 +1,4 @@
-"""A thousand rendezvous participants in one process: asyncio nodes over a few etcd clients.
+"""Hundreds of rendezvous participants in one process: asyncio nodes over a few etcd clients.
 
 :mod:`agents.simulated` gives every node a thread, a lease-keeper thread and its own
 gRPC channel; past ~200 nodes on two cores that harness, not etcd, is what is
@@ -9,7 +9,9 @@ keep-alive, but its etcd calls go through a :class:`Swarm`: ``clients`` shared
 channels and ``workers`` threads that carry out the blocking calls. A node's watch is
 armed on one of the shared clients, as a real node arms it on its own.
 
-The swarm also measures itself (:class:`HarnessLoad`) so that a figure taken while
+A thousand nodes are several such swarms, one per process
+(:mod:`agents.swarm_slice`, driven by :func:`agents.swarm_run.run_swarm`). The swarm
+also measures itself (:class:`HarnessLoad`) so that a figure taken while
 the harness was the bottleneck is never mistaken for etcd's or the protocol's.
 """
 
