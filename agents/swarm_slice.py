@@ -143,13 +143,24 @@ class _Slice:
                     swarm.counter.reset()
                     await asyncio.sleep(command[1])
                     self.conn.send(("keepalives", swarm.counter.snapshot().get("refresh_lease", 0)))
+            stop.set()
+            await asyncio.gather(monitor, keeper)
+            self.conn.send(("closed", swarm.load))  # final now; leaving may take a while
         finally:
             stop.set()
             await asyncio.gather(monitor, keeper)
+            await self._leave(swarm, nodes)
+
+    async def _leave(self, swarm: Swarm, nodes: list[SwarmNode]) -> None:
+        """Stop every node and revoke its lease, so its keys go now and not at a TTL
+        in the middle of the next run; bounded, since a late revoke only costs that."""
+        try:
             await asyncio.wait_for(
                 asyncio.gather(*(node.stop(cancel_watch=False) for node in nodes)), 30)
-            swarm.close()
-        self.conn.send(("closed", swarm.load))
+        except asyncio.TimeoutError:
+            logger.warning("swarm slice %d: leases not all revoked within 30 s; they end "
+                           "at their TTL", self.spec.index)
+        swarm.close()
 
     async def _phase(self, swarm: Swarm, nodes: list[SwarmNode], arm: Arm) -> list[SwarmNode]:
         """One phase; returns the slice's nodes after it."""
