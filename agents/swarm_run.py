@@ -31,6 +31,8 @@ from elastic_rt.rendezvous.rounds import Limits, Round
 
 logger = logging.getLogger(__name__)
 _HANDLED = re.compile(r'^grpc_server_handled_total\{.*grpc_method="(\w+)".*\} (\S+)$')
+_FSYNC = ("etcd_disk_wal_fsync_duration_seconds_count ",
+          "etcd_disk_wal_fsync_duration_seconds_sum ")
 
 
 class HarnessBound(RuntimeError):
@@ -38,7 +40,8 @@ class HarnessBound(RuntimeError):
 
 
 def etcd_requests(endpoint: str) -> dict[str, float]:
-    """gRPC calls etcd has answered so far, by method (Range, Txn, Put, LeaseGrant...)."""
+    """gRPC calls etcd has answered so far, by method (Range, Txn, Put, LeaseGrant...),
+    and its write-ahead log's fsyncs as ``fsync`` (count) and ``fsync_s`` (seconds)."""
     with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as response:
         text = response.read().decode()
     counts: dict[str, float] = {}
@@ -46,6 +49,9 @@ def etcd_requests(endpoint: str) -> dict[str, float]:
         match = _HANDLED.match(line)
         if match:
             counts[match.group(1)] = counts.get(match.group(1), 0.0) + float(match.group(2))
+        elif line.startswith(_FSYNC):
+            name, _, value = line.partition(" ")
+            counts["fsync" if name.endswith("_count") else "fsync_s"] = float(value)
     return counts
 
 
@@ -65,6 +71,9 @@ class Phase:
     """Monotonic time of the event."""
     milestones: dict[str, float] = field(default_factory=dict)
     """Seconds from the event to each step on the way (where the time went)."""
+    fsyncs: tuple[int, float] = (0, 0.0)
+    """etcd's write-ahead-log fsyncs in the window and the seconds they took: on a
+    shared disk, what a raft write waits for."""
     etcd_cpu: float | None = None
     """Cores the etcd process used in the window (None: its PID was not given): near
     the box's free cores, etcd's CPU, not the harness, set the pace."""
@@ -190,9 +199,10 @@ def _phase(name: str, slices: _Slices, endpoint: str, n_nodes: int, arm: Arm,
                              f"{sorted((r.number, r.token) for r in rounds)}")
     seconds = max(r.done_at for r in results) - began
     etcd = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+    fsyncs = (int(etcd.pop("fsync", 0)), etcd.pop("fsync_s", 0.0))
     phase = Phase(name, n_nodes, seconds, _summed(r.ops for r in results),
                   _summed(r.retries for r in results), etcd, rounds.pop(), began,
-                  etcd_cpu=etcd_cpu)
+                  etcd_cpu=etcd_cpu, fsyncs=fsyncs)
     proposed = [t for r in results for t in r.proposed_at if t >= began]
     if arm.event == "start":
         phase.milestones["all joined"] = max(r.joined_at for r in results) - began

@@ -80,7 +80,8 @@ def _print_details(label: str, report: SwarmReport) -> None:
         ops = {k: v for k, v in sorted(phase.ops.items())}
         print(f"{label:<16} {phase.name:<7} {phase.seconds:6.2f} s  ops {ops}  retries "
               f"{phase.retries}  etcd {phase.etcd_rate:.0f} req/s {_int(phase.etcd)} "
-              f"cpu {phase.etcd_cpu or 0:.2f}  "
+              f"cpu {phase.etcd_cpu or 0:.2f} fsyncs {phase.fsyncs[0]} "
+              f"({1000 * phase.fsyncs[1] / max(1, phase.fsyncs[0]):.1f} ms each)  "
               + " ".join(f"{k} {v:.2f} s" for k, v in phase.milestones.items()))
     print(f"{label:<16} keep-alives {report.lease_refresh_per_s:.0f}/s; "
           f"{report.load.summary()}", flush=True)
