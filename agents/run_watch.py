@@ -56,8 +56,9 @@ class RunWatch:
         """Bumped by each new view, so a cancelled watch's late events are dropped."""
         self._cancel: Callable[[], None] | None = None
         self._resync = False
-        self._behind = 0
-        """A revision the view must reach before the next decision (a lost proposal)."""
+        self._superseded: int | None = None
+        """The round token a lost proposal expected: the next decision waits until the
+        view holds another round (the winner's), unless it already does."""
         self._node_id = ""
         self._lease = 0
         self._last_read = 0.0
@@ -76,7 +77,7 @@ class RunWatch:
         """
         with self._lock:
             view = self._view
-            return (view is not None and not self._resync and not self._behind
+            return (view is not None and not self._resync and not self._waits_for_winner(view)
                     and not (view.leader_gone and not view.leader)
                     and not (view.snapshot().completing and not view.leader))
 
@@ -159,8 +160,8 @@ class RunWatch:
     def _current(self, patience: float) -> Snapshot:
         with self._lock:
             self._lock.wait_for(lambda: self._view is not None
-                                and self._view.revision >= self._behind, patience)
-            self._behind = 0
+                                and not self._waits_for_winner(self._view), patience)
+            self._superseded = None
             view, resync = self._view, self._resync
         assert view is not None, "the run is read before the node joined it"
         if resync or (view.leader_gone and not view.leader):
@@ -200,19 +201,21 @@ class RunWatch:
 
         A node deciding again on a copy without the round just written would propose
         again; so a won round goes into the copy now, and after a lost one the next
-        read waits (up to ``retry_after``) for the watch to bring the winner's.
+        read waits (up to ``retry_after``) for the watch to bring the winner's, unless
+        the copy holds it already (then no wait: the loser decides at once).
         """
-        with self._lock:
-            before = self._view.revision if self._view is not None else 0
         written = self.registry.propose(proposal)
         with self._lock:
             if written is None:
-                self._behind = before + 1
+                self._superseded = proposal.expected_token
             elif self._view is not None:
                 item = KeyValue(self.registry.key(ROUND), written.to_json(), written.token,
                                 written.token, 0)
                 self._view.apply([Change(item, deleted=False)])
         return written
+
+    def _waits_for_winner(self, view: RunView) -> bool:
+        return self._superseded is not None and view.round_token == self._superseded
 
     def close(self) -> None:
         with self._lock:

@@ -1,4 +1,4 @@
-"""A thousand rendezvous participants in one process: asyncio nodes over a few etcd clients.
+"""Hundreds of rendezvous participants in one process: asyncio nodes over a few etcd clients.
 
 :mod:`agents.simulated` gives every node a thread, a lease-keeper thread and its own
 gRPC channel; past ~200 nodes on two cores that harness, not etcd, is what is
@@ -9,7 +9,9 @@ keep-alive, but its etcd calls go through a :class:`Swarm`: ``clients`` shared
 channels and ``workers`` threads that carry out the blocking calls. A node's watch is
 armed on one of the shared clients, as a real node arms it on its own.
 
-The swarm also measures itself (:class:`HarnessLoad`) so that a figure taken while
+A thousand nodes are several such swarms, one per process
+(:mod:`agents.swarm_slice`, driven by :func:`agents.swarm_run.run_swarm`). The swarm
+also measures itself (:class:`HarnessLoad`) so that a figure taken while
 the harness was the bottleneck is never mistaken for etcd's or the protocol's.
 """
 
@@ -54,6 +56,10 @@ class HarnessLoad:
     """Seconds each etcd call took once on a thread: etcd's (and gRPC's) own pace."""
     cpu_seconds: float = 0.0
     wall_seconds: float = 0.0
+    total_cpu: float = 0.0
+    """Cores all the harness's processes used together (agents/swarm_slice.py); the
+    share judged is one process's (:attr:`cpu_share`), the one that can hit the GIL."""
+    processes: int = 1
 
     @property
     def cpu_share(self) -> float:
@@ -86,7 +92,8 @@ class HarnessLoad:
         return (f"loop lag p90/p99 {_p(self.loop_lag, 0.9) * 1000:.0f}/"
                 f"{_p(self.loop_lag, 0.99) * 1000:.0f} ms, call queue p90 "
                 f"{_p(self.queue_wait, 0.9) * 1000:.0f} ms, call p90 "
-                f"{_p(self.service, 0.9) * 1000:.0f} ms, harness cpu {self.cpu_share:.2f}")
+                f"{_p(self.service, 0.9) * 1000:.0f} ms, harness cpu {self.cpu_share:.2f} "
+                f"(busiest of {self.processes} processes; {self.total_cpu:.2f} in all)")
 
 
 def _p(values: list[float], q: float) -> float:
@@ -116,6 +123,10 @@ class Swarm:
         self._lock = threading.Lock()
         self._leases: dict[int, Callable[[], Awaitable[None]]] = {}
 
+    @property
+    def clients(self) -> list[KVStore]:
+        return list(self._clients)
+
     def kv(self) -> KVStore:
         """The next shared client (round robin), as a node's own."""
         return self._clients[next(self._next) % len(self._clients)]
@@ -144,6 +155,7 @@ class Swarm:
             self.load.loop_lag.append(max(0.0, time.monotonic() - expected))
         self.load.wall_seconds = time.monotonic() - began
         self.load.cpu_seconds = _cpu() - cpu
+        self.load.total_cpu = self.load.cpu_share
 
     def keep(self, lease_id: int, on_lost: Callable[[], Awaitable[None]]) -> None:
         """Renew ``lease_id`` from now on; ``on_lost`` runs when etcd says it expired."""
@@ -244,13 +256,19 @@ class SwarmNode:
         self._loop = asyncio.get_running_loop()
         self._tasks.append(asyncio.create_task(self._run(), name=self.node_id))
 
-    async def stop(self, *, revoke: bool = True) -> None:
-        """Leave: with ``revoke`` the key goes now (a graceful leave or an eviction)."""
+    async def stop(self, *, revoke: bool = True, cancel_watch: bool = True) -> None:
+        """Leave: with ``revoke`` the key goes now (a graceful leave or an eviction).
+
+        ``cancel_watch=False`` when the shared clients close next (their channels end
+        every watch at once): a thousand cancels one by one on a busy stream can
+        block the loop (python-etcd3 queues each on a bounded queue, under its lock).
+        """
         self.swarm.forget(self.lease)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.watch.close()
+        if cancel_watch:
+            self.watch.close()
         if revoke and self.lease:
             try:
                 await self.swarm.call(self.kv.revoke_lease, self.lease)

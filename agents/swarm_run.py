@@ -1,27 +1,38 @@
-"""Scenarios on a :class:`~agents.swarm.Swarm`: form a round, lose a node, admit one.
+"""Scenarios on a swarm spread over processes: form a round, lose a node, admit one.
 
-Each scenario times one event to "every node holds the new round" and counts what it
-cost: etcd calls per node by kind (sent by the nodes), retries, and etcd's own
-request count from its ``/metrics`` endpoint, which also sees calls our counters
-might miss. A run raises :class:`HarnessBound` when the harness, not etcd, was the
-bottleneck (see :meth:`agents.swarm.HarnessLoad.verdict`).
+The nodes are split over ``processes`` slices (agents/swarm_slice.py), each a
+process with its own event loop, etcd clients and threads, so that the harness's
+Python is not what a thousand nodes wait on. Each scenario times one event to
+"every node holds the new round" and counts what it cost: etcd calls per node by
+kind (sent by the nodes), retries, and etcd's own request count from its
+``/metrics`` endpoint, which also sees calls our counters might miss. A run raises
+:class:`HarnessBound` when the harness, not etcd, was the bottleneck (see
+:meth:`agents.swarm.HarnessLoad.verdict`).
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
+import multiprocessing
 import re
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from typing import Any, Iterator
 
-from agents.swarm import HarnessLoad, Swarm, SwarmNode
+import psutil
+
+from agents.swarm import HarnessLoad
+from agents.swarm_slice import Arm, SliceResult, SliceSpec, Wanted, merge_loads, serve
 from elastic_rt.rendezvous.rounds import Limits, Round
 
+logger = logging.getLogger(__name__)
 _HANDLED = re.compile(r'^grpc_server_handled_total\{.*grpc_method="(\w+)".*\} (\S+)$')
+_FSYNC = ("etcd_disk_wal_fsync_duration_seconds_count ",
+          "etcd_disk_wal_fsync_duration_seconds_sum ")
 
 
 class HarnessBound(RuntimeError):
@@ -29,7 +40,8 @@ class HarnessBound(RuntimeError):
 
 
 def etcd_requests(endpoint: str) -> dict[str, float]:
-    """gRPC calls etcd has answered so far, by method (Range, Txn, Put, LeaseGrant...)."""
+    """gRPC calls etcd has answered so far, by method (Range, Txn, Put, LeaseGrant...),
+    and its write-ahead log's fsyncs as ``fsync`` (count) and ``fsync_s`` (seconds)."""
     with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as response:
         text = response.read().decode()
     counts: dict[str, float] = {}
@@ -37,6 +49,9 @@ def etcd_requests(endpoint: str) -> dict[str, float]:
         match = _HANDLED.match(line)
         if match:
             counts[match.group(1)] = counts.get(match.group(1), 0.0) + float(match.group(2))
+        elif line.startswith(_FSYNC):
+            name, _, value = line.partition(" ")
+            counts["fsync" if name.endswith("_count") else "fsync_s"] = float(value)
     return counts
 
 
@@ -56,6 +71,12 @@ class Phase:
     """Monotonic time of the event."""
     milestones: dict[str, float] = field(default_factory=dict)
     """Seconds from the event to each step on the way (where the time went)."""
+    fsyncs: tuple[int, float] = (0, 0.0)
+    """etcd's write-ahead-log fsyncs in the window and the seconds they took: on a
+    shared disk, what a raft write waits for."""
+    etcd_cpu: float | None = None
+    """Cores the etcd process used in the window (None: its PID was not given): near
+    the box's free cores, etcd's CPU, not the harness, set the pace."""
 
     def per_node(self, exclude: tuple[str, ...] = ("watch_event", "refresh_lease")) -> float:
         """etcd calls per node for this event; keep-alives are per second, not per
@@ -81,83 +102,162 @@ class SwarmReport:
             raise HarnessBound(f"the harness was the bottleneck: {verdict}")
 
 
-async def _timed(name: str, swarm: Swarm, endpoint: str, nodes: list[SwarmNode],
-                 predicate: Any, timeout: float, event: Any) -> Phase:
-    swarm.counter.reset()
-    swarm.retries.reset()
+class _Slices:
+    """The slice processes and their pipes; every command goes to all of them."""
+
+    def __init__(self, specs: list[SliceSpec], start_timeout: float) -> None:
+        context = multiprocessing.get_context("spawn")  # gRPC channels do not survive fork
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for spec in specs:
+            mine, theirs = context.Pipe()
+            proc = context.Process(target=serve, args=(theirs, spec), daemon=True,
+                                   name=f"swarm-slice-{len(self.procs)}")
+            proc.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(proc)
+        try:
+            self.gather("ready", start_timeout)
+        except BaseException:
+            self.close(5.0)
+            raise
+
+    def send(self, message: object) -> None:
+        for conn in self.conns:
+            conn.send(message)
+
+    def gather(self, kind: str, timeout: float) -> list[Any]:
+        """Each slice's answer of ``kind``, in slice order; a slice's error is raised here."""
+        answers: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(self.conns):
+            waiting = [c for i, c in enumerate(self.conns) if i not in answers]
+            ready = wait(waiting, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"{len(waiting)} swarm slice(s) sent no {kind!r} within "
+                                   f"{timeout:.0f} s")
+            for conn in ready:
+                assert isinstance(conn, Connection)
+                try:
+                    what, payload = conn.recv()
+                except EOFError:
+                    raise RuntimeError("a swarm slice process died") from None
+                if what == "error":
+                    raise RuntimeError(f"a swarm slice failed:\n{payload}")
+                if what != kind:
+                    raise RuntimeError(f"a swarm slice sent {what!r}, expected {kind!r}")
+                answers[self.conns.index(conn)] = payload
+        return [answers[i] for i in range(len(self.conns))]
+
+    def close(self, timeout: float) -> list[HarnessLoad]:
+        """Stop the slices (their nodes revoke their leases); their loads if they answered."""
+        loads: list[HarnessLoad] = []
+        try:
+            self.send("close")
+            loads = self.gather("closed", timeout)
+        except (OSError, RuntimeError, TimeoutError) as exc:  # not to hide what ended the run
+            logger.error("swarm slices did not close cleanly: %s", exc)
+        finally:
+            for proc in self.procs:
+                proc.join(timeout)
+                if proc.is_alive():  # by its PID, never by name
+                    proc.kill()
+                    proc.join(5)
+            for conn in self.conns:
+                conn.close()
+        return loads
+
+
+def _cpu_seconds(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def _phase(name: str, slices: _Slices, endpoint: str, n_nodes: int, arm: Arm,
+           etcd_pid: int | None) -> Phase:
+    """Arm every slice, start the clock, say go, and merge what the slices saw."""
+    slices.send(arm)
+    slices.gather("armed", arm.timeout)
     before = etcd_requests(endpoint)
+    cpu_before = _cpu_seconds(etcd_pid)
     began = time.monotonic()
-    await event()
-    try:
-        held = await asyncio.wait_for(
-            asyncio.gather(*(node.wait_for_round(predicate) for node in nodes)), timeout)
-    except asyncio.TimeoutError:
-        counts = {len(n.rounds) for n in nodes}
-        raise TimeoutError(f"{name}: not every node held the round within {timeout:.0f} s "
-                           f"(rounds seen per node: {counts})") from None
-    seconds = time.monotonic() - began
+    slices.send("go")
+    results: list[SliceResult] = slices.gather("result", arm.timeout + 30)
+    wall = time.monotonic() - began
+    etcd_cpu = (_cpu_seconds(etcd_pid) - cpu_before) / wall if etcd_pid else None
     after = etcd_requests(endpoint)
-    if len({(r.number, r.token) for r in held}) != 1:
-        raise AssertionError(f"{name}: nodes disagree on the round")
+    missing = sum(r.missing for r in results)
+    if missing:
+        raise TimeoutError(f"{name}: {missing} of {n_nodes} nodes did not hold the round "
+                           f"within {arm.timeout:.0f} s")
+    rounds: set[Round] = set().union(*(r.rounds for r in results))
+    if len(rounds) != 1:
+        raise AssertionError(f"{name}: nodes disagree on the round: "
+                             f"{sorted((r.number, r.token) for r in rounds)}")
+    seconds = max(r.done_at for r in results) - began
     etcd = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
-    return Phase(name, len(nodes), seconds, swarm.counter.snapshot(), swarm.retries.snapshot(),
-                 etcd, held[0], began)
+    fsyncs = (int(etcd.pop("fsync", 0)), etcd.pop("fsync_s", 0.0))
+    phase = Phase(name, n_nodes, seconds, _summed(r.ops for r in results),
+                  _summed(r.retries for r in results), etcd, rounds.pop(), began,
+                  etcd_cpu=etcd_cpu, fsyncs=fsyncs)
+    proposed = [t for r in results for t in r.proposed_at if t >= began]
+    if arm.event == "start":
+        phase.milestones["all joined"] = max(r.joined_at for r in results) - began
+    if proposed:
+        phase.milestones["round written"] = min(proposed) - began
+    return phase
 
 
-async def run_swarm(endpoint: str, n_nodes: int, *,
-                    events: bool = True, clients: int = 16, workers: int = 64,
-                    timeout: float = 60.0, settle: float = 3.0, **node_kwargs: Any
-                    ) -> SwarmReport:
-    """Form a round of ``n_nodes``; with ``events``, then evict one node and admit one.
+def _summed(counts: Iterator[dict[str, int]]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for count in counts:
+        total.update(count)
+    return dict(total)
 
-    The eviction is what an agent does when a peer's liveness socket refuses (it
-    revokes the peer's lease), so the time measured is the protocol's, not a TTL.
+
+def run_swarm(endpoint: str, n_nodes: int, *, processes: int = 4, events: bool = True,
+              clients: int = 32, workers: int = 64, timeout: float = 60.0, settle: float = 3.0,
+              etcd_pid: int | None = None, **node_kwargs: Any) -> SwarmReport:
+    """Form a round of ``n_nodes`` over ``processes`` slices; with ``events``, then
+    evict one node and admit one.
+
+    ``clients`` and ``workers`` are each slice's; ``etcd_pid``, when given, has each
+    phase report etcd's CPU. The eviction is what an agent does
+    when a peer's liveness socket refuses (it revokes the peer's lease), so the time
+    measured is the protocol's, not a TTL.
     """
     run_id = f"swarm-{uuid.uuid4().hex[:8]}"
-    swarm = Swarm(endpoint, run_id, clients=clients, workers=workers)
     limits = Limits(min_nodes=max(1, n_nodes - 1), max_nodes=n_nodes, last_call=60.0)
-    nodes = [SwarmNode(swarm, f"node-{i:04d}", limits, **node_kwargs) for i in range(n_nodes)]
-    report = SwarmReport(load=swarm.load)
-    stop = asyncio.Event()
-    monitor = asyncio.create_task(swarm.monitor(stop))
-    ttl = node_kwargs.get("ttl", timedelta(seconds=10))
-    keeper = asyncio.create_task(swarm.keep_alive(stop, max(0.2, ttl.total_seconds() / 4)))
+    names = [f"node-{i:04d}" for i in range(n_nodes)]
+    processes = max(1, min(processes, n_nodes))
+    specs = [SliceSpec(i, endpoint, run_id, tuple(names[i::processes]), limits, clients, workers,
+                       **node_kwargs) for i in range(processes)]
+    report = SwarmReport()
+    slices = _Slices(specs, start_timeout=timeout)
     try:
-        async def start_all() -> None:
-            for node in nodes:
-                node.start()
-
-        formed = await _timed("form", swarm, endpoint, nodes, lambda r: True, timeout,
-                              start_all)
-        formed.milestones = {
-            "all joined": max(n.joined_at for n in nodes) - formed.began,
-            "round written": min(t for n in nodes for t in n.proposed_at) - formed.began}
+        formed = _phase("form", slices, endpoint, n_nodes,
+                        Arm("start", Wanted(), timeout), etcd_pid)
         report.phases.append(formed)
-        swarm.counter.reset()
-        await asyncio.sleep(settle)
-        report.lease_refresh_per_s = swarm.counter.snapshot().get("refresh_lease", 0) / settle
+        slices.send(("keepalives", settle))
+        report.lease_refresh_per_s = sum(slices.gather("keepalives", settle + timeout)) / settle
         if events:
-            victim = nodes[n_nodes // 2]
-            survivors = [node for node in nodes if node is not victim]
-            before = formed.round
-            assert before is not None
-            report.phases.append(await _timed(
-                "lose 1", swarm, endpoint, survivors,
-                lambda r: r.number > before.number and victim.node_id not in r.members,
-                timeout, lambda: victim.stop(revoke=True)))
-            nodes = survivors
-            newcomer = SwarmNode(swarm, "node-new", limits, **node_kwargs)
-            nodes.append(newcomer)
-
-            async def admit() -> None:
-                newcomer.start()
-
-            report.phases.append(await _timed(
-                "grow 1", swarm, endpoint, nodes, lambda r: "node-new" in r.members, timeout,
-                admit))
+            assert formed.round is not None
+            victim = names[n_nodes // 2]
+            report.phases.append(_phase(
+                "lose 1", slices, endpoint, n_nodes - 1,
+                Arm("stop", Wanted(after=formed.round.number, without=victim), timeout,
+                    node_id=victim), etcd_pid))
+            report.phases.append(_phase(
+                "grow 1", slices, endpoint, n_nodes,
+                Arm("add", Wanted(including="node-new"), timeout, node_id="node-new"),
+                etcd_pid))
     finally:
-        stop.set()
-        await asyncio.gather(monitor, keeper)
-        await asyncio.gather(*(node.stop() for node in nodes))
-        swarm.close()
+        loads = slices.close(timeout)
+    if not loads:
+        raise RuntimeError("the swarm slices did not report their load, so whether the "
+                           "harness set the pace cannot be judged")
+    report.load = merge_loads(loads)
     return report

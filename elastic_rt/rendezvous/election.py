@@ -25,7 +25,7 @@ that :func:`rounds.decide` takes.
 from __future__ import annotations
 
 from elastic_rt.rendezvous.kv import Change, KeyValue
-from elastic_rt.rendezvous.registry import LEADER, Joined, node_from, snapshot_from
+from elastic_rt.rendezvous.registry import LEADER, ROUND, Joined, node_from, snapshot_from
 from elastic_rt.rendezvous.rounds import NodeInfo, Snapshot
 
 _NODES = "nodes/"
@@ -65,6 +65,12 @@ class RunView:
     def leader_revision(self) -> int:
         """The leader key's revision as held (0: none); the holder's re-read compares it."""
         item = self._items.get(LEADER)
+        return item.mod_revision if item else 0
+
+    @property
+    def round_token(self) -> int:
+        """The held round's revision (0: none yet), read without decoding the round."""
+        item = self._items.get(ROUND)
         return item.mod_revision if item else 0
 
     def apply(self, changes: list[Change]) -> None:

@@ -1,6 +1,7 @@
 """The elected rendezvous on a real etcd, through the swarm simulator (agents/swarm*.py).
 
-The swarm's nodes follow the run through the agent's own RunWatch (agents/run_watch.py).
+The swarm's nodes follow the run through the agent's own RunWatch (agents/run_watch.py),
+spread over slice processes (agents/swarm_slice.py) whose counts and rounds are merged.
 
 Many coroutine nodes share a few etcd clients but each has its own lease, key and
 watch, and runs the agent's decisions. These check the protocol's guarantees (one
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
 
 
 def test_elected_swarm_forms_loses_and_grows_with_flat_cost(etcd_server: EtcdServer) -> None:
-    report = asyncio.run(run_swarm(etcd_server.endpoint, 24, timeout=30, settle=0.5))
+    report = run_swarm(etcd_server.endpoint, 24, processes=2, timeout=30, settle=0.5)
     form, lose, grow = report.phases
     assert form.round is not None and len(form.round.members) == 24
     assert form.ops.get("put_if") == 1 and not form.retries  # one writer, no race
