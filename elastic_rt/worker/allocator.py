@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc's own adaptation reaches (64-bit)
+REPLICATED_TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
+"""Replicated: where glibc's own adaptation would put it (see the module's docstring)."""
 SHARDED_TRIM_THRESHOLD_BYTES = 256 << 20
 """Under FSDP: the free top of a heap kept for the next step (see the module's docstring)."""
 _USER_SETTINGS_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
@@ -110,7 +112,7 @@ class HeapTrimmer:
             default to the real ones; a trimmer on a C library other than glibc does nothing.
     """
 
-    def __init__(self, *, min_margin_bytes: int = 64 << 20, margin_fraction: float = 1 / 16,
+    def __init__(self, *, min_margin_bytes: int = 128 << 20, margin_fraction: float = 1 / 8,
                  rss: Callable[[], int] | None = None,
                  trim: Callable[[], object] | None = None) -> None:
         libc = _glibc() if trim is None else None

@@ -30,15 +30,15 @@ def _trimmer(sizes_mib: list[int]) -> tuple[HeapTrimmer, list[int]]:
 
 
 def test_a_steady_process_is_never_trimmed() -> None:
-    trimmer, trimmed = _trimmer([800, 820, 790, 860, 800, 863])
+    trimmer, trimmed = _trimmer([800, 820, 790, 900, 800, 927])
     assert not any(trimmer.after_step() for _ in range(6))
     assert trimmed == []
 
 
 def test_growth_past_the_margin_is_trimmed_and_the_size_settles_again() -> None:
-    # settled at 800: margin max(64, 800/16=50) = 64 MiB; 900 > 864 trims; the next
-    # step (830) is the new settled size, so 880 (< 830 + 64) is left alone.
-    trimmer, _ = _trimmer([800, 900, 830, 880, 1000])
+    # settled at 800: margin max(128, 800/8=100) = 128 MiB; 950 > 928 trims; the next
+    # step (830) is the new settled size, so 950 (< 830 + 128) is left alone.
+    trimmer, _ = _trimmer([800, 950, 830, 950, 1000])
     assert [trimmer.after_step() for _ in range(5)] == [False, True, False, False, True]
     assert trimmer.trims == 2
 
@@ -48,7 +48,7 @@ def test_a_working_set_that_really_grows_costs_one_trim_per_margin() -> None:
     trimmer, _ = _trimmer(sizes)
     for _ in sizes:
         trimmer.after_step()
-    assert 0 < trimmer.trims <= 990 // 64 + 1
+    assert 0 < trimmer.trims <= 990 // 128 + 1
 
 
 def test_a_user_tuning_glibc_turns_the_trimmer_off(monkeypatch: pytest.MonkeyPatch) -> None:
