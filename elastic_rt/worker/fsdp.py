@@ -26,7 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from elastic_rt.worker.state_sync import join_tensors, split_tensors
 from elastic_rt.worker.train_state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -108,12 +107,6 @@ def local_piece(state: TrainState) -> Piece:
         hyper = {k: v for k, v in group.items() if k != "params"}
         piece["groups"].append({**hyper, "params": [names[id(p)] for p in group["params"]]})
     return piece
-
-
-def clone_piece(piece: Piece) -> Piece:
-    """A copy of ``piece`` that later steps do not change (its tensors are live views)."""
-    skeleton, tensors = split_tensors(piece)
-    return join_tensors(skeleton, [t.clone() for t in tensors])
 
 
 def join_pieces(pieces: list[Piece]) -> Piece:
