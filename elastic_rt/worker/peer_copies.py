@@ -17,17 +17,20 @@ it (its runtime metadata is kept beside it).
 copies this rank's piece into a preallocated host buffer (one memory copy, before the step's
 optimizer can change it) and hands it to a background thread, which swaps it with the ring on
 a process group of its own while the step trains. A snapshot counts only once its exchange has
-completed on this rank (:attr:`PeerCopies.latest`); until then the previous one stays. The
-next refresh first waits for the exchange in flight (normally finished long before), through
-the round's abort notice, so a wait on a hung peer ends when the agents drop it, and the step
-has not begun. A failed exchange (a peer died) stops copies for the rest of the round and
-never fails a step by itself: the step's own collectives tell whether the round is broken.
+completed on this rank (:attr:`PeerCopies.completed`); until then the previous one stays. The
+one before it also stays until the next refresh reuses its buffer: a node lost while one step's
+copies have arrived on some survivors and not yet on others then still finds the step before
+whole on every survivor. The next refresh first waits for the exchange in flight (normally
+finished long before), through the round's abort notice, so a wait on a hung peer ends when
+the agents drop it, and the step has not begun. A failed exchange (a peer died) stops copies
+for the rest of the round and never fails a step by itself: the step's own collectives tell
+whether the round is broken.
 A copy group whose exchange did not end cleanly is abandoned, not destroyed
 (``process_groups.abandon_side_group``), like every group of a failed round.
 
-Memory per rank: two send buffers (the completed snapshot's own piece and the next one's) and
-the neighbour's copy, plus a second copy while one is being received: three pieces at rest,
-four during a refresh (``4 / N`` of the state on each of N ranks).
+Memory per rank: two send buffers (own pieces: the newest completed snapshot's and the next
+one's, or the one before) and two of the neighbour's copies (the newest completed, and the one
+before or the one arriving): four pieces, ``4 / N`` of the state on each of N ranks.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,11 +78,6 @@ class Snapshot:
     def piece(self, index: int) -> Piece:
         return self.own if index == self.own_index else self.peer
 
-    def nbytes(self) -> int:
-        """Host memory the two pieces hold."""
-        _, tensors = split_tensors({"own": self.own, "peer": self.peer})
-        return sum(t.numel() * t.element_size() for t in tensors)
-
 
 @dataclass(frozen=True)
 class Ring:
@@ -103,22 +100,21 @@ class PeerCopies:
     def __init__(self, group: dist.ProcessGroup, ring: Ring, *, every: int) -> None:
         self._group, self._ring, self._every = group, ring, every
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._next = 0  # the send buffer the next refresh fills (the other is `latest`'s)
+        self._next = 0  # the send buffer the next refresh fills (not the newest's)
         self._lock = threading.Lock()
-        self._latest: Snapshot | None = None
+        self._completed: list[Snapshot] = []  # at most the two newest, oldest first
         self._pending: Future[BaseException | None] | None = None
         self._started = -1  # the step of the newest snapshot handed to the thread
         self._failed = False  # an exchange failed: no more copies this round
         self._closed = False
         self._peer_bytes = 0
-        self.waited_s = 0.0
-        """Time refreshes spent waiting for the previous exchange (the step's only wait)."""
 
     @property
-    def latest(self) -> Snapshot | None:
-        """The newest snapshot whose exchange completed on this rank."""
+    def completed(self) -> list[Snapshot]:
+        """The snapshots whose exchange completed on this rank and whose buffers are intact:
+        the newest, and the one before it until the next refresh; oldest first."""
         with self._lock:
-            return self._latest
+            return list(self._completed)
 
     def is_due(self, committed: int) -> bool:
         """Whether the step after ``committed`` refreshes (every ``every`` steps)."""
@@ -135,6 +131,8 @@ class PeerCopies:
         self._settle()
         if self._failed or self._closed:
             return
+        with self._lock:  # the buffer about to be filled holds the older snapshot's own piece
+            self._completed = self._completed[-1:]
         skeleton, tensors = split_tensors(piece)
         places = _places(skeleton)
         nbytes = places[-1][0] + places[-1][1] if places else 0
@@ -151,15 +149,15 @@ class PeerCopies:
         threading.Thread(target=self._exchange, args=args, name=f"peer-copies-{committed}",
                          daemon=True).start()
 
-    def close(self) -> Snapshot | None:
-        """Stop copying; the newest completed snapshot. Never raises.
+    def close(self) -> list[Snapshot]:
+        """Stop copying; the :attr:`completed` snapshots. Never raises.
 
         Waits for the exchange in flight (so that a clean re-form keeps its snapshot) unless
         the round's notice comes first; the copy group is destroyed if every exchange ended
         cleanly, else abandoned (a send or receive may still be blocked on a hung peer).
         """
         if self._closed:
-            return self.latest
+            return self.completed
         clean = not self._failed
         if self._pending is not None:
             try:
@@ -169,26 +167,23 @@ class PeerCopies:
             self._pending = None
         with self._lock:
             self._closed = True
-            latest = self._latest
+            completed = list(self._completed)
         if clean:
             destroy_side_group(self._group)
         else:
             abandon_side_group(self._group)
-        return latest
+        return completed
 
-    def host_bytes(self) -> tuple[int, int]:
-        """(bytes held at rest, bytes held while a copy is received): the memory cost."""
-        sent = sum(b.numel() for b in self._buffers if b is not None)
-        return sent + self._peer_bytes, sent + 2 * self._peer_bytes
+    def host_bytes(self) -> int:
+        """The host memory the copies take, once two exchanges have completed."""
+        return sum(b.numel() for b in self._buffers if b is not None) + 2 * self._peer_bytes
 
     def _settle(self) -> None:
         """Wait for the exchange in flight; a failed one stops copies for the round."""
         pending = self._pending
         if pending is None:
             return
-        began = time.perf_counter()
         error = abort.wait(pending)  # RoundAbandoned goes up: the step has not begun
-        self.waited_s += time.perf_counter() - began
         self._pending = None
         if error is not None:
             self._failed = True
@@ -210,7 +205,7 @@ class PeerCopies:
                             peer_index=ring.peer_index, own=own, peer=peer, meta=meta)
         with self._lock:
             if not self._closed:  # a late completion after close() is not used
-                self._latest = snapshot
+                self._completed = [*self._completed[-1:], snapshot]
         future.set_result(None)
 
 

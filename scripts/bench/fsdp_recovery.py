@@ -118,14 +118,14 @@ def main() -> None:
                 trainer.release()
         trainer._refresh_snapshot(args.steps)  # as the next step would
         assert trainer.copies is not None
-        at_rest, peak = (n / 2**20 for n in trainer.copies.host_bytes())
+        copies_mib = trainer.copies.host_bytes() / 2**20
         ckpt = Checkpointer(f"file://{folder}/{repeat}")
         ckpt.save(progress.step, trainer.checkpoint_state(), layout=ctx.layout.to_dict(),
                   extra={"step": progress.step, "sampler": samples.state_dict(),
                          **trainer.checkpoint_extra()}, process_group=ctx.groups.world)
         ckpt.wait()
         trainer.release()  # waits for the exchange in flight: the snapshot of the last step
-        assert trainer.snapshot is not None and trainer.snapshot.step == args.steps
+        assert trainer.snapshots and trainer.snapshots[-1].step == args.steps
         destroy_groups(ctx.groups)
         if rank >= 2:
             continue  # the lost node
@@ -145,7 +145,7 @@ def main() -> None:
                   f"{results['checkpoint'][-1]:.2f} s; step with copies "
                   f"{step_s[1] * 1000:.0f} ms vs without {step_s[0] * 1000:.0f} ms, refresh "
                   f"in the step {statistics.median(refresh[1:]) * 1000:.1f} ms; copies "
-                  f"{at_rest:.0f} MiB per rank at rest, {peak:.0f} MiB during a refresh "
+                  f"{copies_mib:.0f} MiB per rank "
                   f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     if rank == 0:
         state_mb = 3 * 4 * args.layers * (args.width * args.width + args.width) / 2**20

@@ -3,7 +3,8 @@
 Two ranks (one per "node") swap snapshots of a piece along the ring with
 ``PeerCopies``. A snapshot must count only once its exchange has completed on this rank
 (a refresh whose peer has not sent yet leaves the previous one), must be a copy (the step
-that follows changes the live tensors), and must arrive whole (tensors of mixed dtypes).
+that follows changes the live tensors), and must arrive whole (tensors of mixed dtypes); the
+one before the newest stays until the next refresh reuses its buffer.
 Then rank 1 hangs (SIGSTOP: its sockets stay open, nothing fails) while rank 0's exchange is
 in flight: the next refresh must end on the round's notice, not the groups' 10-minute
 timeout, with the state untouched; the last completed snapshot stays, and the copy group is
@@ -64,9 +65,8 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
     live = _piece(env.rank, 0)
     copies.refresh(0, live, {"step": 0})
     live["params"]["w"].add_(100.0)  # the step changes the live state in place
-    wait_until(lambda: copies.latest is not None, 30, "the first exchange")
-    first = copies.latest
-    assert first is not None
+    wait_until(lambda: copies.completed, 30, "the first exchange")
+    first = copies.completed[-1]
     own, peer = first.piece(env.rank), first.piece(other)
     # Views into the buffers the refresh after next reuses (that snapshot is gone by then).
     seen = {"own_w": own["params"]["w"].tolist(), "peer_w": peer["params"]["w"].tolist(),
@@ -78,11 +78,11 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
     if env.rank == 1:
         env.store.wait(["0-refreshed"])
     copies.refresh(1, _piece(env.rank, 1), {"step": 1})
-    step_while_in_flight = copies.latest.step if copies.latest else -1
+    while_in_flight = [s.step for s in copies.completed]
     if env.rank == 0:
         env.store.set("0-refreshed", "1")
-    wait_until(lambda: copies.latest is not None and copies.latest.step == 1, 30,
-               "the second exchange")
+    wait_until(lambda: copies.completed[-1].step == 1, 30, "the second exchange")
+    after_two = [s.step for s in copies.completed]
 
     dist.barrier(group=groups.world)
     if env.rank == 1:
@@ -90,6 +90,7 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
         os.kill(os.getpid(), signal.SIGSTOP)  # hangs before its third exchange
     env.store.wait(["hung-pid"])
     copies.refresh(2, _piece(env.rank, 2), {"step": 2})  # in flight, and it never ends
+    while_hung = [s.step for s in copies.completed]  # step 0's buffer was reused
     # what the worker's round watch does when the agents evict the hung node
     threading.Timer(NOTICE_AFTER_S, notice.observe, args=(_round(1, "a"),)).start()
     began = time.monotonic()
@@ -103,8 +104,9 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
     registered = group in dist.distributed_c10d._world.pg_map
     abandon_groups(groups)
     os.kill(int(env.store.get("hung-pid")), signal.SIGKILL)  # its agent would stop it
-    return {**seen, "in_flight": step_while_in_flight, "outcome": outcome, "waited": waited,
-            "kept": kept.step if kept else -1, "registered": registered}
+    return {**seen, "in_flight": while_in_flight, "after_two": after_two,
+            "while_hung": while_hung, "outcome": outcome, "waited": waited,
+            "kept": [s.step for s in kept], "registered": registered}
 
 
 def test_copies_count_once_complete_and_a_hung_peer_holds_no_step() -> None:
@@ -115,8 +117,10 @@ def test_copies_count_once_complete_and_a_hung_peer_holds_no_step() -> None:
     assert survivor["peer_w"] == [10.0, 11.0, 12.0] and survivor["peer_step"] == 0
     assert survivor["peer_flag"] == [True, False] and survivor["peer_lr"] == pytest.approx(0.1)
     assert survivor["meta"] == {"step": 0}
-    assert survivor["in_flight"] == 0  # step 1's copy had not arrived: step 0's still counts
+    assert survivor["in_flight"] == [0]  # step 1's copy had not arrived: step 0's counts
+    assert survivor["after_two"] == [0, 1]  # the one before stays until its buffer is reused
+    assert survivor["while_hung"] == [1]
     assert survivor["outcome"] == "abandoned"
     assert survivor["waited"] < NOTICE_AFTER_S + 5  # not the 10-minute timeout
-    assert survivor["kept"] == 1  # the last exchange that completed
+    assert survivor["kept"] == [1]  # the last exchange that completed
     assert not survivor["registered"]  # abandoned: destroying the round's groups skips it
