@@ -74,7 +74,7 @@ class ShardedTrainer:
         self.state: TrainState | None = None
         self.stepper: ReplicatedStep | None = None
         self.held: tuple[Layout, int] | None = None  # (layout, rank) the state is cut by
-        self.snapshot: Snapshot | None = None  # the newest completed, once copies stop
+        self.snapshots: list[Snapshot] = []  # the completed ones, once copies stop
         self.copies: PeerCopies | None = None  # this round's exchange, under FSDP
         self.sampler: ElasticSampler | None = None
 
@@ -83,7 +83,7 @@ class ShardedTrainer:
 
     def restore(self, at: Restoring) -> str:
         self._stop_copies()
-        kept = (self.state, self.stepper, self.held, self.snapshot, at.progress.step,
+        kept = (self.state, self.stepper, self.held, self.snapshots, at.progress.step,
                 at.progress.is_dirty, at.sampler.state_dict())
         try:
             return self._restore(at)
@@ -93,18 +93,19 @@ class ShardedTrainer:
             if self.copies is not None:  # made for the new state, which is dropped
                 self.copies.close()
                 self.copies = None
-            (self.state, self.stepper, self.held, self.snapshot, at.progress.step,
+            (self.state, self.stepper, self.held, self.snapshots, at.progress.step,
              at.progress.is_dirty, sampler) = kept
             at.sampler.load_state_dict(sampler)
             raise
 
     def _restore(self, at: Restoring) -> str:
         ctx, progress = at.ctx, at.progress
-        old, old_stepper, snapshot = self.state, self.stepper, self.snapshot
+        old, old_stepper, snapshots = self.state, self.stepper, self.snapshots
         self.sampler = at.sampler
         lives, copies, last = gather_holdings(
             self._holdings(progress.step, progress.is_dirty),
-            snapshot.holdings() if snapshot else [], progress.step, ctx.groups.world)
+            [h for snapshot in snapshots for h in snapshot.holdings()], progress.step,
+            ctx.groups.world)
         sources = pick_piece_sources(lives)
         source = "replicas"
         if sources is None:
@@ -112,7 +113,7 @@ class ShardedTrainer:
             source = "peer copies"
         progress.is_dirty = True  # until the new state holds the state of `step`
         self.state, self.stepper, self.held = self._build(ctx), None, (ctx.layout, ctx.rank)
-        self.snapshot = None  # taken again under the new layout at the next step
+        self.snapshots = []  # taken again under the new layout from the next step
         if sources is not None:
             live_step = progress.step
 
@@ -121,12 +122,12 @@ class ShardedTrainer:
                 if sources.step == live_step and lives[ctx.rank][:1] == [
                         Holding(live_step, sources.count, index)]:
                     return {"piece": local_piece(old), "meta": _meta(old, old_stepper, at)}
-                assert snapshot is not None and snapshot.step == sources.step
+                snapshot = next(s for s in snapshots if s.step == sources.step)
                 return {"piece": snapshot.piece(index), "meta": snapshot.meta}
             full, meta = fetch_full(sources, read, ctx.groups.world)
             self._shard(ctx)
             initialize_optimizer_state(self.state.optimizer)
-            load_full(self.state, full)
+            load_full(self.state, full, ctx.groups.shard_mesh)
             self._load_meta(meta, at)
             if last > sources.step:
                 logger.warning("restored from %s of step %d; steps %d-%d are done again",
@@ -161,9 +162,9 @@ class ShardedTrainer:
         self.copies = PeerCopies(group, ring, every=self.copy_every)
 
     def _stop_copies(self) -> None:
-        """End this round's copies; keep the newest snapshot whose exchange completed."""
+        """End this round's copies; keep the snapshots whose exchange completed."""
         if self.copies is not None:
-            self.snapshot = self.copies.close()
+            self.snapshots = self.copies.close()
             self.copies = None
 
     @property
