@@ -321,6 +321,30 @@ def destroy_side_group(group: dist.ProcessGroup) -> None:
         logger.debug("could not destroy a side group: %s", exc)
 
 
+def abandon_side_group(group: dist.ProcessGroup) -> None:
+    """Let go of one group made by :func:`side_group` while its work may be blocked on a hung
+    peer: :func:`abandon_groups` for a single group (forgotten by torch's registry, never shut
+    down, kept alive for the life of the process). Never raises."""
+    world = c10d._world
+    if group not in world.pg_map:
+        return
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    _abandoned.append([group])
+    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                     world.pg_to_tag, world.pg_coalesce_state):
+        registry.pop(group, None)
+    for tagged in world.tags_to_pg.values():
+        if group in tagged:
+            tagged.remove(group)
+    c10d._unregister_process_group(group.group_name)
+    logger.info("A side group was abandoned (its work may be blocked on a hung peer)")
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta:
+    """How long ``group``'s collectives wait for a peer (for a side group beside it)."""
+    return group._get_backend(group._device_types[0]).options._timeout
+
+
 def _forget_sharding_cache() -> None:
     # DTensor caches sharding decisions keyed by mesh equality, and a new round's mesh of the
     # same shape compares equal to the old one: stale entries would point at destroyed groups.

@@ -26,7 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from elastic_rt.worker.state_sync import join_tensors, split_tensors
 from elastic_rt.worker.train_state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -110,12 +109,6 @@ def local_piece(state: TrainState) -> Piece:
     return piece
 
 
-def clone_piece(piece: Piece) -> Piece:
-    """A copy of ``piece`` that later steps do not change (its tensors are live views)."""
-    skeleton, tensors = split_tensors(piece)
-    return join_tensors(skeleton, [t.clone() for t in tensors])
-
-
 def join_pieces(pieces: list[Piece]) -> Piece:
     """The full state from pieces ``0..n-1`` of one step (rows concatenated in order)."""
     first = pieces[0]
@@ -125,16 +118,21 @@ def join_pieces(pieces: list[Piece]) -> Piece:
     return full
 
 
-def load_full(state: TrainState, full: Piece) -> None:
+def load_full(state: TrainState, full: Piece, mesh: DeviceMesh | None) -> None:
     """Give this rank its rows of ``full`` (from :func:`join_pieces`). No communication.
 
-    The optimizer's state tensors must exist (``initialize_optimizer_state``).
+    ``mesh`` is the round's mesh the state is sharded over (None: not sharded). It is passed,
+    not read from the parameters: torch can hand a new round's sharded parameters the mesh of
+    an earlier round that compares equal (same shape and names) but knows this process by its
+    old rank, so after a re-form that moved ranks (a node lost, then one joined) the rows
+    would be cut for the old rank. The optimizer's state tensors must exist
+    (``initialize_optimizer_state``).
     """
     model, optimizer = state.model, state.optimizer
     names = {id(p): name for name, p in model.named_parameters()}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            _copy_rows(param, full["params"][name])
+            _copy_rows(param, full["params"][name], mesh)
         for name, buffer in model.named_buffers():
             _local(buffer, detach=False).copy_(full["buffers"][name])
         for held, entry in optimizer.state.items():
@@ -142,7 +140,7 @@ def load_full(state: TrainState, full: Piece) -> None:
             for key, value in entry.items():
                 flat = f"{name}\0{key}"
                 if flat in full["optim_rows"]:
-                    _copy_rows(value, full["optim_rows"][flat])
+                    _copy_rows(value, full["optim_rows"][flat], mesh)
                 elif isinstance(value, torch.Tensor):
                     value.copy_(full["optim_whole"][flat])
                 else:
@@ -156,9 +154,10 @@ def _local(tensor: torch.Tensor, *, detach: bool = True) -> torch.Tensor:
     return local.detach().cpu() if detach else local
 
 
-def _copy_rows(target: torch.Tensor, full: torch.Tensor) -> None:
+def _copy_rows(target: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh | None) -> None:
     if isinstance(target, DTensor):
-        mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        assert mesh is not None and mesh.ndim == target.device_mesh.ndim
+        mine = distribute_tensor(full, mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(mine.to_local())
     else:
         target.copy_(full)

@@ -8,7 +8,8 @@ mesh, and the state comes, in this order of preference, from
 
 1. the pieces the ranks hold (their own shards, a surviving HSDP replica's): 0 steps lost;
 2. under FSDP, the snapshots ranks keep of their own and their ring neighbour's pieces
-   (``peer_copies``): at most ``copy_every`` steps done again;
+   (``peer_copies``, exchanged beside training; only snapshots whose exchange completed
+   count): at most ``copy_every`` steps done again;
 3. the newest committed checkpoint, resharded (steps after it are done again);
 4. the initial state (rank 0's model, on a fresh start only).
 
@@ -31,16 +32,16 @@ from torch.distributed.checkpoint.state_dict import (
 from elastic_rt.config import LOCAL_WORLD_SIZE_ENV
 from elastic_rt.errors import ConfigError, ElasticError
 from elastic_rt.layout import Layout
+from elastic_rt.process_groups import group_timeout, side_group
 from elastic_rt.worker.context import Context
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.fsdp import (
     ShardedGradients,
-    clone_piece,
     load_full,
     local_piece,
     shard_train_state,
 )
-from elastic_rt.worker.peer_copies import Snapshot, exchange, ring_holder
+from elastic_rt.worker.peer_copies import PeerCopies, Ring, Snapshot, ring_holder
 from elastic_rt.worker.piece_sync import Holding, fetch_full, gather_holdings, pick_piece_sources
 from elastic_rt.worker.replicated import (
     ReplicatedStep,
@@ -73,32 +74,38 @@ class ShardedTrainer:
         self.state: TrainState | None = None
         self.stepper: ReplicatedStep | None = None
         self.held: tuple[Layout, int] | None = None  # (layout, rank) the state is cut by
-        self.snapshot: Snapshot | None = None
+        self.snapshots: list[Snapshot] = []  # the completed ones, once copies stop
+        self.copies: PeerCopies | None = None  # this round's exchange, under FSDP
         self.sampler: ElasticSampler | None = None
 
     def result(self) -> Any:
         return self.state
 
     def restore(self, at: Restoring) -> str:
-        kept = (self.state, self.stepper, self.held, self.snapshot, at.progress.step,
+        self._stop_copies()
+        kept = (self.state, self.stepper, self.held, self.snapshots, at.progress.step,
                 at.progress.is_dirty, at.sampler.state_dict())
         try:
             return self._restore(at)
         except BaseException:
             # A peer died during the restore: keep what this rank held, so that the next
             # round can still restore from it (a fresh build holds nothing).
-            (self.state, self.stepper, self.held, self.snapshot, at.progress.step,
+            if self.copies is not None:  # made for the new state, which is dropped
+                self.copies.close()
+                self.copies = None
+            (self.state, self.stepper, self.held, self.snapshots, at.progress.step,
              at.progress.is_dirty, sampler) = kept
             at.sampler.load_state_dict(sampler)
             raise
 
     def _restore(self, at: Restoring) -> str:
         ctx, progress = at.ctx, at.progress
-        old, old_stepper, snapshot = self.state, self.stepper, self.snapshot
+        old, old_stepper, snapshots = self.state, self.stepper, self.snapshots
         self.sampler = at.sampler
         lives, copies, last = gather_holdings(
             self._holdings(progress.step, progress.is_dirty),
-            snapshot.holdings() if snapshot else [], progress.step, ctx.groups.world)
+            [h for snapshot in snapshots for h in snapshot.holdings()], progress.step,
+            ctx.groups.world)
         sources = pick_piece_sources(lives)
         source = "replicas"
         if sources is None:
@@ -106,7 +113,7 @@ class ShardedTrainer:
             source = "peer copies"
         progress.is_dirty = True  # until the new state holds the state of `step`
         self.state, self.stepper, self.held = self._build(ctx), None, (ctx.layout, ctx.rank)
-        self.snapshot = None  # taken again under the new layout at the next step
+        self.snapshots = []  # taken again under the new layout from the next step
         if sources is not None:
             live_step = progress.step
 
@@ -115,12 +122,12 @@ class ShardedTrainer:
                 if sources.step == live_step and lives[ctx.rank][:1] == [
                         Holding(live_step, sources.count, index)]:
                     return {"piece": local_piece(old), "meta": _meta(old, old_stepper, at)}
-                assert snapshot is not None and snapshot.step == sources.step
+                snapshot = next(s for s in snapshots if s.step == sources.step)
                 return {"piece": snapshot.piece(index), "meta": snapshot.meta}
             full, meta = fetch_full(sources, read, ctx.groups.world)
             self._shard(ctx)
             initialize_optimizer_state(self.state.optimizer)
-            load_full(self.state, full)
+            load_full(self.state, full, ctx.groups.shard_mesh)
             self._load_meta(meta, at)
             if last > sources.step:
                 logger.warning("restored from %s of step %d; steps %d-%d are done again",
@@ -129,24 +136,36 @@ class ShardedTrainer:
             return source
         return self._from_checkpoint_or_init(at, last)
 
-    def _refresh_snapshot(self, ctx: Context, committed: int) -> None:
-        """Every ``copy_every`` steps under FSDP: snapshot this rank's piece and swap a copy
-        with the ring (at the start of a step, so that a failure here changes no state)."""
-        layout, snapshot = ctx.layout, self.snapshot
-        holder = ring_holder(ctx.rank, ctx.world_size, self.ranks_per_node)
-        if (not self.copy_every or layout.shard == 1 or layout.replicas > 1
-                or holder == ctx.rank or committed < 0):
-            return
-        if snapshot is not None and committed - snapshot.step < self.copy_every:
+    def _refresh_snapshot(self, committed: int) -> None:
+        """Every ``copy_every`` steps under FSDP: snapshot this rank's piece and send a copy
+        along the ring in the background (at the start of a step, before it changes the
+        state; a wait here on the previous exchange changes no state either)."""
+        copies = self.copies
+        if copies is None or not copies.is_due(committed):
             return
         assert self.state is not None and self.stepper is not None and self.sampler is not None
-        own = clone_piece(local_piece(self.state))
+        copies.refresh(committed, local_piece(self.state),
+                       _meta(self.state, self.stepper, self.sampler))
+
+    def _start_copies(self, ctx: Context) -> None:
+        """This round's ring of peer copies, on a group of its own (FSDP only; collective)."""
+        layout = ctx.layout
+        holder = ring_holder(ctx.rank, ctx.world_size, self.ranks_per_node)
+        if not self.copy_every or layout.shard == 1 or layout.replicas > 1 or holder == ctx.rank:
+            return
+        # As long as a training collective waits (the world group waits longer, to join).
+        group = side_group(ctx.groups.world, group_timeout(ctx.groups.dp))
+        assert group is not None  # the round's groups exist
         source = (ctx.rank - self.ranks_per_node) % ctx.world_size
-        peer = exchange(own, to=holder, source=source, group=ctx.groups.world)
-        self.snapshot = Snapshot(
-            step=committed, count=layout.shard, own_index=layout.shard_index(ctx.rank),
-            peer_index=layout.shard_index(source), own=own, peer=peer,
-            meta=_meta(self.state, self.stepper, self.sampler))
+        ring = Ring(to=holder, source=source, count=layout.shard,
+                    own_index=layout.shard_index(ctx.rank), peer_index=layout.shard_index(source))
+        self.copies = PeerCopies(group, ring, every=self.copy_every)
+
+    def _stop_copies(self) -> None:
+        """End this round's copies; keep the snapshots whose exchange completed."""
+        if self.copies is not None:
+            self.snapshots = self.copies.close()
+            self.copies = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -174,6 +193,7 @@ class ShardedTrainer:
             reducer = ShardedGradients(self.state.model)
         self.stepper = ReplicatedStep(self.state, self.step_fn, self.options)
         self.stepper.bind(ctx.groups.dp, reducer)
+        self._start_copies(ctx)
 
     def _from_checkpoint_or_init(self, at: Restoring, last: int) -> str:
         assert self.state is not None
@@ -225,7 +245,7 @@ class ShardedTrainer:
                 "Use a global batch of at least the largest data-parallel size, and "
                 "drop_last-sized epochs.",
             )
-        self._refresh_snapshot(ctx, step - 1)
+        self._refresh_snapshot(step - 1)
         loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step)
         return loss.local_mean, loss.contribution
 
@@ -242,6 +262,7 @@ class ShardedTrainer:
         return runtime_extra(self.state, self.stepper)
 
     def release(self) -> None:
+        self._stop_copies()
         if self.stepper is not None:
             self.stepper.unbind()
 

@@ -6,15 +6,18 @@ Run under torchrun with 4 workers, taken as 2 nodes of 2 (``LOCAL_WORLD_SIZE=2``
 
 The runtime's own trainer (``ShardedTrainer``) trains an MLP of ``--width`` x ``--layers``
 (1448 x 4: 8.4M parameters, 33.6 MB, plus AdamW's two moments: ~100 MB of state) as
-``fsdp4`` with peer copies every step, and commits a checkpoint to a local folder. Then
-ranks 2 and 3 (the second node) leave; ranks 0 and 1 form ``fsdp2`` groups and restore:
+``fsdp4``, first with peer copies off, then with copies every step, and commits a checkpoint
+to a local folder. Then ranks 2 and 3 (the second node) leave; ranks 0 and 1 form ``fsdp2``
+groups and restore:
 
 - *peer memory*: the surviving trainers, whose pieces and copies cover the lost ones;
 - *checkpoint*: fresh trainers holding nothing, so they load the committed checkpoint.
 
 Printed: the restore time of each (median of ``--repeats``, from the start of the restore to
-the state in place, as the loop's ``state.restored`` event measures it), the time a refresh of
-the copies adds to a step, and the extra host memory the copies hold per rank.
+the state in place, as the loop's ``state.restored`` event measures it); the cost of the
+copies to a step: the time the training thread spends in a refresh (the snapshot, and any wait
+for the previous exchange) and the step time with copies against without (medians, first
+step left out); and the host memory the copies hold per rank.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=1448)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     return p.parse_args()
 
@@ -95,24 +98,34 @@ def main() -> None:
     results: dict[str, list[float]] = {"peer memory": [], "checkpoint": []}
     for repeat in range(args.repeats):
         ctx = join(store, rank, Layout(dp=4, shard=4), f"/r{repeat}/a/")
-        trainer, progress = ShardedTrainer(build, step_fn, StepOptions()), Progress()
-        trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=samples, progress=progress))
-        refresh = []
-        for step in range(1, args.steps + 1):
-            began = time.perf_counter()
-            trainer._refresh_snapshot(ctx, step - 1)
-            refresh.append(time.perf_counter() - began)
-            trainer.train([(batch, 8)], global_len=8, ctx=ctx, step=step)
-            progress.step = step
-        trainer._refresh_snapshot(ctx, args.steps)  # as the next step would
-        assert trainer.snapshot is not None
-        copies_mb = trainer.snapshot.nbytes() / 2**20
+        step_s: dict[int, float] = {}
+        for every in (0, 1):  # copies off, then every step
+            trainer = ShardedTrainer(build, step_fn, StepOptions(), copy_every=every)
+            progress = Progress()
+            trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=samples,
+                                      progress=progress))
+            refresh, step_times = [], []
+            for step in range(1, args.steps + 1):
+                began = time.perf_counter()
+                trainer._refresh_snapshot(step - 1)  # what train() does first
+                refreshed = time.perf_counter()
+                trainer.train([(batch, 8)], global_len=8, ctx=ctx, step=step)
+                step_times.append(time.perf_counter() - began)
+                refresh.append(refreshed - began)
+                progress.step = step
+            step_s[every] = statistics.median(step_times[1:] or step_times)
+            if not every:
+                trainer.release()
+        trainer._refresh_snapshot(args.steps)  # as the next step would
+        assert trainer.copies is not None
+        copies_mib = trainer.copies.host_bytes() / 2**20
         ckpt = Checkpointer(f"file://{folder}/{repeat}")
         ckpt.save(progress.step, trainer.checkpoint_state(), layout=ctx.layout.to_dict(),
                   extra={"step": progress.step, "sampler": samples.state_dict(),
                          **trainer.checkpoint_extra()}, process_group=ctx.groups.world)
         ckpt.wait()
-        trainer.release()
+        trainer.release()  # waits for the exchange in flight: the snapshot of the last step
+        assert trainer.snapshots and trainer.snapshots[-1].step == args.steps
         destroy_groups(ctx.groups)
         if rank >= 2:
             continue  # the lost node
@@ -127,10 +140,13 @@ def main() -> None:
         ckpt.close()
         destroy_groups(ctx.groups)
         if rank == 0:
-            print(f"repeat {repeat + 1}: peer memory {results['peer memory'][-1]:.2f} s, "
-                  f"checkpoint {results['checkpoint'][-1]:.2f} s, copy refresh "
-                  f"{statistics.median(refresh[1:] or refresh) * 1000:.0f} ms/step, copies "
-                  f"{copies_mb:.0f} MiB per rank", flush=True)
+            print(f"repeat {repeat + 1}: restore from peer memory "
+                  f"{results['peer memory'][-1]:.2f} s, from checkpoint "
+                  f"{results['checkpoint'][-1]:.2f} s; step with copies "
+                  f"{step_s[1] * 1000:.0f} ms vs without {step_s[0] * 1000:.0f} ms, refresh "
+                  f"in the step {statistics.median(refresh[1:]) * 1000:.1f} ms; copies "
+                  f"{copies_mib:.0f} MiB per rank "
+                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     if rank == 0:
         state_mb = 3 * 4 * args.layers * (args.width * args.width + args.width) / 2**20
         peer, disk = (statistics.median(v) for v in results.values())

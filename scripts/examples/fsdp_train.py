@@ -7,7 +7,9 @@ takes for the runtime to shard parameters, gradients and optimizer state over th
 data-parallel ranks (``fully_shard``): ``--max-shard 2`` with two workers per node gives HSDP
 (sharded within a node, replicated across nodes), a large one FSDP over every rank. When a
 node dies, the survivors re-shard to the new world in place: from a surviving replica (HSDP),
-else from the last committed checkpoint, resharded. The result equals a run without failures.
+or from the copies of the lost shards that ranks keep in a peer's host memory (FSDP,
+``--peer-copy-every``), else from the last committed checkpoint, resharded. The result equals a
+run without failures.
 """
 
 import argparse

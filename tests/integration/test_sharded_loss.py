@@ -8,18 +8,23 @@ the agents admit ``c``) and take every piece from their own replica, since no ch
 configured; ``c`` takes its pieces from ``a``'s ranks. No step may be lost or done twice, and
 the final parameters must equal those of an uninterrupted single-process run.
 
-Under FSDP (``fsdp4``: no replica) the same kill takes half of every parameter's rows, and no
-node joins: ``a``'s ranks re-shard to ``fsdp2`` in place. They hold copies of ``b``'s pieces in
-host memory (refreshed every step), so they restore from those, not from the committed
-checkpoint, redoing at most one step. With the copies off (as when a node and the holder of
-its copies are lost together) they load the newest committed checkpoint resharded to
-``fsdp2`` and redo the steps after it.
+Under FSDP (``fsdp4``: no replica) the same kill takes half of every parameter's rows. ``a``'s
+ranks hold copies of ``b``'s pieces in host memory (refreshed every step, beside training), so
+they restore from those, with no checkpoint configured, redoing at most one step; then ``c``
+grows the job back to ``fsdp4`` and takes its pieces from ``a``'s ranks in place (or from
+their pieces and copies at once, when the agents admit it in the same round).
+
+With three one-worker nodes as ``fsdp3`` (copies on), ``b`` and ``c`` are SIGKILLed at once: a
+node and the holder of its copies are both lost, so ``a`` cannot cover every piece from
+memory. It loads the newest committed checkpoint resharded to its own single rank and redoes
+the steps after it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,9 +46,10 @@ SCRIPT = str(REPO / "scripts" / "examples" / "fsdp_train.py")
 STEPS, GLOBAL_BATCH, WIDTH, HIDDEN = 200, 12, 32, 64
 
 
-def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, extra: list[str]):
-    args = launch_args(etcd_server.endpoint, run_id, "1:2", tmp / "events.jsonl", node_id=name,
-                       nproc=2)
+def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, extra: list[str],
+          case: Case):
+    args = launch_args(etcd_server.endpoint, run_id, f"1:{len(case.nodes)}",
+                       tmp / "events.jsonl", node_id=name, nproc=case.nproc)
     script = [SCRIPT, "--steps", str(STEPS), "--step-time", "0.1", *extra,
               "--global-batch", str(GLOBAL_BATCH), "--out", str(tmp / "out")]
     return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
@@ -81,42 +87,54 @@ def _reference_params() -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+@dataclass(frozen=True)
+class Case:
+    layouts: tuple[str, str]  # a's layout while all nodes train, and its last one
+    flags: list[str]  # the script's
+    restored_from: str  # where a's ranks restore from after the kill
+    nodes: str = "ab"  # they train together; all but a are SIGKILLed at once
+    joins: bool = False  # c starts while they train, and is admitted after the kill
+    nproc: int = 2
+
+
+CKPT = ["--checkpoint", "CKPT"]
 CASES = {
-    # layouts before and after the kill, script flags, the source a's ranks restore from
-    "hsdp": (("hsdp2x2", "hsdp2x2"), ["--max-shard", "2"], "replicas"),
-    "fsdp": (("fsdp4", "fsdp2"), ["--max-shard", "64", "--checkpoint", "CKPT", "--every", "10"],
-             "peer copies"),
-    "fsdp-no-copies": (("fsdp4", "fsdp2"), ["--max-shard", "64", "--checkpoint", "CKPT",
-                                            "--every", "5", "--peer-copy-every", "0"],
-                       "checkpoint"),
+    "hsdp": Case(("hsdp2x2", "hsdp2x2"), ["--max-shard", "2"], "replicas", joins=True),
+    "fsdp": Case(("fsdp4", "fsdp4"), ["--max-shard", "64"], "peer copies", joins=True),
+    "fsdp-copy-holder-lost": Case(("fsdp3", "dp1xpp1xtp1"),
+                                  ["--max-shard", "64", *CKPT, "--every", "5"], "checkpoint",
+                                  nodes="abc", nproc=1),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
-    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path, case: str
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path, name: str
 ) -> None:
-    (layout, final_layout), extra, restored_from = CASES[case]
-    grows = layout == final_layout  # HSDP: c joins; FSDP: a goes on alone
-    extra = [str(tmp_path / "ckpt") if arg == "CKPT" else arg for arg in extra]
-    nodes = {name: _node(process_tree, etcd_server, run_id, tmp_path, name, extra)
-             for name in "ab"}
-    wait_until(lambda: _formed(tmp_path, ["a", "b"]), 60, "the round of a and b")
-    if grows:
+    case = CASES[name]
+    layout, final_layout = case.layouts
+    extra = [str(tmp_path / "ckpt") if arg == "CKPT" else arg for arg in case.flags]
+    nodes = {node: _node(process_tree, etcd_server, run_id, tmp_path, node, extra, case)
+             for node in case.nodes}
+    wait_until(lambda: _formed(tmp_path, sorted(case.nodes)), 60, "the round of all nodes")
+    if case.joins:
         # c's workers start (slow on a busy box) while a and b train; it joins after the kill.
-        nodes["c"] = _node(process_tree, etcd_server, run_id, tmp_path, "c", extra)
+        nodes["c"] = _node(process_tree, etcd_server, run_id, tmp_path, "c", extra, case)
         kv = EtcdKV(etcd_server.endpoint)
         try:  # c registers once it is ready to be admitted
             wait_until(lambda: "c" in RunRegistry(kv, run_id).nodes(), 180, "c ready")
         finally:
             kv.close()
-    wait_until(lambda: _trained(tmp_path, 4, after=5), 180, "training past step 5")
-    if restored_from == "checkpoint":
+    world = len(case.nodes) * case.nproc
+    wait_until(lambda: _trained(tmp_path, world, after=5), 180, "training past step 5")
+    if case.restored_from == "checkpoint":
         wait_until(lambda: any(e.name == "checkpoint.committed"
                                for e in events(tmp_path / "events.jsonl")), 120, "a checkpoint")
-    os.killpg(nodes["b"].pid, signal.SIGKILL)
-    for name in "ac" if grows else "a":
-        assert nodes[name].wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    for node in case.nodes[1:]:
+        os.killpg(nodes[node].pid, signal.SIGKILL)
+    survivors = "ac" if case.joins else "a"
+    for node in survivors:
+        assert nodes[node].wait(timeout=180) == 0, (tmp_path / f"{node}.log").read_text()[-3000:]
 
     got = ft.join_params(str(tmp_path / "out"))
     want = _reference_params()
@@ -126,19 +144,23 @@ def test_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
 
     log = events(tmp_path / "events.jsonl")
     layouts = [e.metadata["layout"] for e in log if e.name == "groups.reformed" and e.node == "a"]
-    assert layouts[0] == layout and layouts[-1] == final_layout and len(layouts) >= 4, layouts
+    assert layout in layouts and layouts[-1] == final_layout, layouts
+    assert len(layouts) >= 2 * case.nproc, layouts
     restored = [e for e in log if e.name == "state.restored"]
     by_node = {node: {e.metadata["source"].split(" step-")[0] for e in restored if e.node == node}
-               for node in "ac"}
-    # The pieces were all in memory somewhere, or (copies off) the checkpoint.
-    assert by_node["a"] == {"init", restored_from}, by_node
-    assert by_node["c"] <= {"replicas", restored_from} and bool(by_node["c"]) == grows, by_node
+               for node in survivors}
+    # The pieces were all in memory somewhere (a round that only adds a node takes them from
+    # the members' live pieces: "replicas"), or the checkpoint when no memory had them all.
+    assert case.restored_from in by_node["a"], by_node
+    assert by_node["a"] <= {"init", case.restored_from, "replicas"}, by_node
+    if case.joins:
+        assert by_node["c"] and by_node["c"] <= {"replicas", case.restored_from}, by_node
     assert not [e for e in log if e.name == "worker.restarted"], "recovery was not in-process"
-    # Each of a's two workers did every step, none skipped; from peer copies, at most one
-    # step again (the copy is taken at the start of the next step); from the checkpoint, at
-    # most the steps since it.
+    # Each of a's workers did every step, none skipped; from peer copies, at most one step
+    # again (the copy of a step is taken at the start of the next, and counts once it has
+    # arrived); from the checkpoint, at most the steps since it.
     steps = sorted(e.step or 0 for e in log if e.name == "step.completed" and e.node == "a")
-    redone = (len(steps) - 2 * STEPS) // 2
+    redone = (len(steps) - case.nproc * STEPS) // case.nproc
     assert sorted(set(steps)) == list(range(1, STEPS + 1)), "a step was skipped"
-    most = {"replicas": 0, "peer copies": 1, "checkpoint": 5}[restored_from]
+    most = {"replicas": 0, "peer copies": 1, "checkpoint": 5}[case.restored_from]
     assert 0 <= redone <= most, redone

@@ -26,3 +26,64 @@ def test_no_step_with_every_piece_means_no_sources() -> None:
 def test_pieces_of_different_cuts_are_never_mixed() -> None:
     holdings = [[Holding(4, 2, 0)], [Holding(4, 3, 1)], [Holding(4, 3, 2)]]
     assert pick_piece_sources(holdings) is None
+
+
+def _reports(*, nodes: int, per_node: int, lost: set[int], live: int,
+             copied: dict[int, list[int]]) -> list[list[Holding]]:
+    """What the surviving ranks of an FSDP job report after losing the nodes in ``lost``.
+
+    Rank ``r`` holds piece ``r`` live at step ``live``, and its *completed* snapshots (the
+    newest, and the one before until the next refresh reuses its buffer): its own piece and
+    the copy of rank ``r - per_node``'s (its ring neighbour on the previous node) at each step
+    of ``copied[r]``. Survivors are renumbered in order, as in the new round.
+    """
+    count = nodes * per_node
+    reports = []
+    for rank in range(count):
+        if rank // per_node in lost:
+            continue
+        held = [Holding(live, count, rank)]
+        for step in copied.get(rank, []):
+            held += [Holding(step, count, rank), Holding(step, count, (rank - per_node) % count)]
+        reports.append(held)
+    return reports
+
+
+def test_fsdp_restores_a_lost_node_from_the_copies_its_ring_neighbours_hold() -> None:
+    # fsdp4 on two nodes of two; node 1 (ranks 2, 3) is lost during step 10, after the
+    # copies of step 9 arrived: pieces 2 and 3 come from ranks 0 and 1's copies.
+    reports = _reports(nodes=2, per_node=2, lost={1}, live=9, copied={0: [8, 9], 1: [8, 9]})
+    assert pick_piece_sources(reports) == Sources(9, (0, 1, 0, 1))
+
+
+def test_a_copy_still_in_flight_does_not_count_the_previous_one_does() -> None:
+    # The copies of step 9 had not arrived when node 1 was lost: both survivors report step
+    # 8 as their newest snapshot, so step 8 is restored and step 9 is done again.
+    reports = _reports(nodes=2, per_node=2, lost={1}, live=9, copied={0: [7, 8], 1: [7, 8]})
+    assert pick_piece_sources(reports) == Sources(8, (0, 1, 0, 1))
+
+
+def test_copies_that_arrived_on_some_ranks_only_fall_back_to_the_step_before() -> None:
+    # Rank 0 has step 9's copy, rank 1 only step 8's: rank 0 still keeps step 8's (its buffer
+    # is reused by the next refresh only), so step 8 is whole.
+    reports = _reports(nodes=2, per_node=2, lost={1}, live=9, copied={0: [8, 9], 1: [7, 8]})
+    assert pick_piece_sources(reports) == Sources(8, (0, 1, 0, 1))
+    # Had rank 0 begun the next refresh (dropping step 8's) while rank 1's copy of step 9 was
+    # still late, neither step is whole: the caller loads the checkpoint (steps redone, none
+    # lost or skipped).
+    reports = _reports(nodes=2, per_node=2, lost={1}, live=10, copied={0: [9], 1: [7, 8]})
+    assert pick_piece_sources(reports) is None
+
+
+def test_losing_a_node_and_the_holder_of_its_copies_leaves_no_whole_step() -> None:
+    # fsdp6 on three nodes of two, copies on: nodes 1 and 2 are lost at once. Node 0 holds
+    # its own pieces 0, 1 and the copies of node 2's pieces 4, 5; node 1's pieces 2, 3 were
+    # copied to node 2 only. Whatever the steps, no sharding is whole: the checkpoint.
+    reports = _reports(nodes=3, per_node=2, lost={1, 2}, live=9, copied={0: [8, 9], 1: [8, 9]})
+    assert [sorted({h.index for h in held}) for held in reports] == [[0, 4], [1, 5]]
+    assert pick_piece_sources(reports) is None
+    # One node of three lost: the copies on the next node (ranks 2, 3 now) cover it; the
+    # lowest holder of each piece is its source (pieces 4, 5: node 0's copies).
+    reports = _reports(nodes=3, per_node=2, lost={1}, live=9,
+                       copied={r: [8, 9] for r in range(6)})
+    assert pick_piece_sources(reports) == Sources(9, (0, 1, 2, 3, 0, 1))
