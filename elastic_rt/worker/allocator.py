@@ -8,8 +8,11 @@ temporaries and loader batches freed in a different order on several threads, th
 memory piles up. Two measures, both glibc-only and both left to the user who tunes glibc
 through its ``MALLOC_*_`` variables:
 
-- :func:`pin_mmap_threshold` pins the mmap threshold at 32 MiB: the fast heap path stays,
-  the adaptation stops, and the trim threshold stays at its 128 KiB default.
+- :func:`pin_mmap_threshold` pins the mmap threshold at 32 MiB and the trim threshold at
+  the 64 MiB glibc's adaptation would reach (256 MiB under FSDP, below): the fast heap
+  path stays and the adaptation stops. Pinning the mmap threshold alone leaves the trim
+  threshold at its 128 KiB default, and then every large block freed at the top of the
+  heap goes back to the OS and is faulted in again by the next step.
 - :class:`HeapTrimmer` returns the heap's free pages (``malloc_trim``) when the process
   has grown past the size it settled at by more than a margin. Free chunks *inside* the
   heap, below a live block, are never returned by glibc on its own; which chunks end up
@@ -19,13 +22,17 @@ through its ``MALLOC_*_`` variables:
 Measured on the 16.8M-parameter MLP of ``scripts/bench/overhead.py`` (2 workers, 100
 steps): glibc's default 1225-1555 MiB peak RSS per worker; mmap threshold pinned at 32 MiB
 1012-1016 MiB quiet but up to 1336-1431 MiB at load average 6-14; pinned plus the trimmer
-(64 MiB margin) 888 MiB at load 19 with one to five trims in 100 steps. Trimming after
+(64 MiB margin) 888 MiB at load 19 with one to five trims in 100 steps. Once backward
+handed fresh gradients to the buckets (``grad_sync``), that margin trimmed 18-25 times in
+150 steps (the heap swings by more within a step), each trim faulting the next step's
+temporaries back in; with the 64 MiB trim threshold and a margin of max(128 MiB, 1/8):
+5 trims in 150 steps, peak RSS 0.87-0.89x torchrun + DDP's, step time 1.01x. Trimming after
 every step instead costs 55 ms a step (every page of the step's temporaries is faulted
 back in), as does an mmap threshold of 1 MiB (50-70 ms); torch's own advice for the
 symptom is another allocator (jemalloc, tcmalloc), which needs an extra library.
 
 Under FSDP (``run(limits=ModelLimits(max_shard > 1))``, chosen in ``loop.run``) the
-trimmer is off and the trim threshold is pinned too, at 256 MiB: there every unit's
+trimmer is off and the trim threshold is pinned higher, at 256 MiB: there every unit's
 all-gathered parameters and unsharded gradients (16 MiB apiece on that MLP) are allocated
 and freed again within each step, so the free top of the heap is what the next step needs.
 With the 128 KiB trim threshold those pages went back to the OS at every free, and the
