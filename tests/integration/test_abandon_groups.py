@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -21,20 +20,17 @@ import torch.distributed as dist
 
 from elastic_rt.layout import Layout
 from elastic_rt.process_groups import abandon_groups, destroy_groups, init_groups
-from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.worker.abort import RoundAbandoned, round_notice
 from elastic_rt.worker.state_sync import broadcast_state, pick_source
-from tests.fixtures.torchdist import WorkerEnv, run_workers
+from tests.fixtures.torchdist import (
+    NOTICE_AFTER_S,
+    TEN_MINUTES,
+    WorkerEnv,
+    loopback_round,
+    run_workers,
+)
 
 pytestmark = pytest.mark.slow
-
-TEN_MINUTES = timedelta(minutes=10)
-NOTICE_AFTER_S = 0.3
-
-
-def _round(number: int, *members: str) -> Round:
-    return Round(number=number, members=members, nprocs=(1,) * len(members),
-                 hosts=("127.0.0.1",) * len(members))
 
 
 def _form(env: WorkerEnv, layout: Layout, number: int):
@@ -49,11 +45,11 @@ def _survive_a_hung_peer(env: WorkerEnv) -> dict[str, object]:
         env.store.set("hung-pid", str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)  # its sockets stay open: nothing fails
     notice = round_notice()
-    notice.train_in(_round(0, "a", "b", "c"))
+    notice.train_in(loopback_round(0, "a", "b", "c"))
     work = dist.all_reduce(torch.ones(4), group=groups.dp, async_op=True)
     assert work is not None
     # what the worker's round watch does when the agents evict the hung node
-    threading.Timer(NOTICE_AFTER_S, notice.observe, args=(_round(1, "a", "b"),)).start()
+    threading.Timer(NOTICE_AFTER_S, notice.observe, args=(loopback_round(1, "a", "b"),)).start()
     began = time.monotonic()
     try:
         notice.wait(work.get_future())
@@ -62,7 +58,7 @@ def _survive_a_hung_peer(env: WorkerEnv) -> dict[str, object]:
         outcome = "abandoned"
     waited = time.monotonic() - began
     abandon_groups(groups)
-    notice.train_in(_round(1, "a", "b"))
+    notice.train_in(loopback_round(1, "a", "b"))
     groups = _form(env, Layout(dp=2), 1)
     src, step = pick_source(10 if env.rank == 0 else 9, groups.world)
     state = broadcast_state({"w": torch.arange(3.0) * (env.rank + 1), "step": step}, src,

@@ -18,7 +18,6 @@ import os
 import signal
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -28,20 +27,17 @@ import torch.distributed as dist
 from elastic_rt.harness import wait_until
 from elastic_rt.layout import Layout
 from elastic_rt.process_groups import abandon_groups, init_groups, side_group
-from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.worker.abort import RoundAbandoned, round_notice
 from elastic_rt.worker.peer_copies import PeerCopies, Ring
-from tests.fixtures.torchdist import WorkerEnv, run_workers
+from tests.fixtures.torchdist import (
+    NOTICE_AFTER_S,
+    TEN_MINUTES,
+    WorkerEnv,
+    loopback_round,
+    run_workers,
+)
 
 pytestmark = pytest.mark.slow
-
-TEN_MINUTES = timedelta(minutes=10)
-NOTICE_AFTER_S = 0.3
-
-
-def _round(number: int, *members: str) -> Round:
-    return Round(number=number, members=members, nprocs=(1,) * len(members),
-                 hosts=("127.0.0.1",) * len(members))
 
 
 def _piece(rank: int, step: int) -> dict[str, Any]:
@@ -61,7 +57,7 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
     copies = PeerCopies(group, Ring(to=other, source=other, count=2, own_index=env.rank,
                                     peer_index=other), every=1)
     notice = round_notice()
-    notice.train_in(_round(0, "a", "b"))
+    notice.train_in(loopback_round(0, "a", "b"))
     live = _piece(env.rank, 0)
     copies.refresh(0, live, {"step": 0})
     live["params"]["w"].add_(100.0)  # the step changes the live state in place
@@ -92,7 +88,7 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
     copies.refresh(2, _piece(env.rank, 2), {"step": 2})  # in flight, and it never ends
     while_hung = [s.step for s in copies.completed]  # step 0's buffer was reused
     # what the worker's round watch does when the agents evict the hung node
-    threading.Timer(NOTICE_AFTER_S, notice.observe, args=(_round(1, "a"),)).start()
+    threading.Timer(NOTICE_AFTER_S, notice.observe, args=(loopback_round(1, "a"),)).start()
     began = time.monotonic()
     try:
         copies.refresh(3, _piece(env.rank, 3), {"step": 3})  # first waits for step 2's
