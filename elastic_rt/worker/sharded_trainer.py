@@ -24,11 +24,6 @@ import logging
 import os
 from typing import Any
 
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_state_dict,
-)
-
 from elastic_rt.config import LOCAL_WORLD_SIZE_ENV
 from elastic_rt.errors import ConfigError, ElasticError
 from elastic_rt.layout import Layout
@@ -52,12 +47,10 @@ from elastic_rt.worker.replicated import (
 from elastic_rt.worker.state_sync import broadcast_state
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers import (
-    BuildFn, Restoring, load_checkpoint, named_state, runtime_extra,
+    BuildFn, Restoring, load_checkpoint_into, named_state, runtime_extra,
 )
 
 logger = logging.getLogger(__name__)
-
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class ShardedTrainer:
@@ -202,21 +195,14 @@ class ShardedTrainer:
         self.state.model.load_state_dict(synced)
         self._shard(at.ctx)
         if at.checkpoint is not None:
-            fresh_optimizer = initialize_optimizer_state(self.state.optimizer)
-            target = self.checkpoint_state()
-            info = load_checkpoint(target, at)
+            info = load_checkpoint_into(self.state, self.checkpoint_state, at)
             if info is not None:
-                set_state_dict(self.state.model, self.state.optimizer,
-                               model_state_dict=target["model"],
-                               optim_state_dict=target["optimizer"], options=_FLAT)
                 self._load_meta(info.extra, at, with_position=False)
                 at.progress.is_dirty = False
                 if last > at.progress.step:
                     logger.warning("no surviving copy of every shard; rolled back from step %d "
                                    "to %d", last, at.progress.step)
                 return f"checkpoint {info.name}"
-            if fresh_optimizer:
-                self.state.optimizer.state.clear()  # as ReplicatedTrainer: no zero-step state
         if last >= 0:
             raise ElasticError(
                 "a shard of the model state was lost with no surviving copy and no committed "

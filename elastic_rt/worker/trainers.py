@@ -137,6 +137,27 @@ def load_checkpoint(target: dict[str, Any], at: Restoring) -> CheckpointInfo | N
     return info
 
 
+def load_checkpoint_into(state: TrainState, state_tree: Callable[[], dict[str, Any]],
+                         at: Restoring) -> CheckpointInfo | None:
+    """The newest committed checkpoint into ``state``'s model and optimizer, as
+    :func:`load_checkpoint`; ``state_tree`` gives the tensors to load into.
+
+    A checkpoint loads into existing tensors, so an empty optimizer gets its state first,
+    without a user-visible ``optimizer.step()``. When nothing is loaded that zero-step state
+    is dropped again: Adam's step count 1 would make its bias correction lag one step
+    behind a run without checkpoints.
+    """
+    fresh_optimizer = initialize_optimizer_state(state.optimizer)
+    target = state_tree()
+    info = load_checkpoint(target, at)
+    if info is not None:
+        set_state_dict(state.model, state.optimizer, model_state_dict=target["model"],
+                       optim_state_dict=target["optimizer"], options=_FLAT)
+    elif fresh_optimizer:
+        state.optimizer.state.clear()
+    return info
+
+
 class ReplicatedTrainer:
     """A ``TrainState`` replicated on every data-parallel rank; the runtime does its step.
 
@@ -176,24 +197,13 @@ class ReplicatedTrainer:
     def _from_checkpoint_or_init(self, at: Restoring) -> str:
         assert self.state is not None and self.stepper is not None
         if at.checkpoint is not None:
-            # A checkpoint loads into existing tensors, so an empty optimizer gets its
-            # state first, without a user-visible optimizer.step().
-            fresh_optimizer = initialize_optimizer_state(self.state.optimizer)
-            target = self.checkpoint_state()
-            info = load_checkpoint(target, at)
+            info = load_checkpoint_into(self.state, self.checkpoint_state, at)
             if info is not None:
-                set_state_dict(self.state.model, self.state.optimizer,
-                               model_state_dict=target["model"],
-                               optim_state_dict=target["optimizer"], options=_FLAT)
                 self.state.extras = dict(info.extra.get("extras", {}))
                 if self.state.scheduler is not None and info.extra.get("scheduler"):
                     self.state.scheduler.load_state_dict(info.extra["scheduler"])
                 self.stepper.load_runtime_state(info.extra.get("runtime", {}))
                 return f"checkpoint {info.name}"
-            if fresh_optimizer:
-                # Nothing was loaded: drop the zero-step state (Adam's step count 1 would
-                # make its bias correction lag one step behind a run without checkpoints).
-                self.state.optimizer.state.clear()
         synced = broadcast_state(self.state.model.state_dict(), 0, at.ctx.groups.world)
         self.state.model.load_state_dict(synced)
         at.progress.step = 0
