@@ -6,13 +6,22 @@ each new tensor), and it raises the trim threshold to twice that, so up to 64 Mi
 memory at the top of each heap is kept rather than returned. With gradients, optimizer
 temporaries and loader batches freed in a different order on several threads, that kept
 memory piles up. Two measures, both glibc-only and both left to the user who tunes glibc
-through its ``MALLOC_*_`` variables:
+through its ``MALLOC_*`` variables or ``GLIBC_TUNABLES``:
 
-- :func:`pin_mmap_threshold` pins the mmap threshold at 32 MiB and the trim threshold at
+- :func:`pin_heap` pins the mmap threshold at 32 MiB and the trim threshold at
   the 64 MiB glibc's adaptation would reach (256 MiB under FSDP, below): the fast heap
   path stays and the adaptation stops. Pinning the mmap threshold alone leaves the trim
   threshold at its 128 KiB default, and then every large block freed at the top of the
-  heap goes back to the OS and is faulted in again by the next step.
+  heap goes back to the OS and is faulted in again by the next step. It also puts every
+  thread on the main heap (one arena): gloo's threads allocate each collective's
+  temporaries, and a thread's own arena grows by 64 MiB heaps that glibc maps for the
+  block and unmaps as soon as it is free (strace of an FSDP worker: one heap mapped and
+  unmapped per collective in a ``pt_gloo_runloop`` thread), so every step faulted those
+  pages in again: 5,000-18,000 minor faults a step per worker, varying with which rank's
+  thread got which arena. On the main heap the trim threshold keeps them: 500-1,200
+  faults a step under FSDP, 2,800-4,300 (from 5,200-7,300) replicated. The training
+  thread and the collectives' threads rarely allocate at once, so sharing the one arena's
+  lock costs nothing measurable.
 - :class:`HeapTrimmer` returns the heap's free pages (``malloc_trim``) when the process
   has grown past the size it settled at by more than a margin. Free chunks *inside* the
   heap, below a live block, are never returned by glibc on its own; which chunks end up
@@ -60,12 +69,14 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc's own adaptation reaches (64-bit)
 REPLICATED_TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 """Replicated: where glibc's own adaptation would put it (see the module's docstring)."""
 SHARDED_TRIM_THRESHOLD_BYTES = 256 << 20
 """Under FSDP: the free top of a heap kept for the next step (see the module's docstring)."""
-_USER_SETTINGS_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+_USER_SETTINGS_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
+                      "GLIBC_TUNABLES")
 
 
 def _glibc() -> Any | None:
@@ -81,23 +92,30 @@ def _glibc() -> Any | None:
     return libc
 
 
-def pin_mmap_threshold(*, trim_threshold_bytes: int | None = None) -> bool:
-    """Stop glibc from adapting its mmap and trim thresholds for the rest of this process.
+def pin_heap(*, trim_threshold_bytes: int | None = None) -> bool:
+    """Stop glibc from adapting its mmap and trim thresholds for the rest of this process,
+    and serve threads started from now on from the main heap.
+
+    Call it before the process groups exist: a thread keeps the arena it first allocated
+    from.
 
     Args:
         trim_threshold_bytes: also fix the trim threshold (the free memory kept at the top
             of a heap) at this, instead of leaving it at glibc's 128 KiB default.
 
-    Returns whether the threshold was set (not on other C libraries, nor when the user
-    set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``).
+    Returns whether the settings were made (not on other C libraries, nor when the user
+    tunes glibc through ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
+    ``MALLOC_ARENA_MAX`` or ``GLIBC_TUNABLES``).
     """
     libc = _glibc()
     if libc is None:
         return False
     is_set = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    is_set = bool(libc.mallopt(_M_ARENA_MAX, 1)) and is_set
     if trim_threshold_bytes is not None:
         is_set = bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)) and is_set
-    logger.debug("malloc mmap threshold pinned at %d bytes: %s", MMAP_THRESHOLD_BYTES, is_set)
+    logger.debug("heap pinned (mmap threshold %d bytes, one arena): %s", MMAP_THRESHOLD_BYTES,
+                 is_set)
     return is_set
 
 

@@ -96,7 +96,7 @@ from elastic_rt.worker.allocator import (
     REPLICATED_TRIM_THRESHOLD_BYTES,
     SHARDED_TRIM_THRESHOLD_BYTES,
     HeapTrimmer,
-    pin_mmap_threshold,
+    pin_heap,
 )
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import user_code
@@ -212,8 +212,8 @@ def run(
     # A steady heap over a long run; under FSDP one that keeps a step's gathered parameters
     # and gradients for the next step instead of trimming them (worker/allocator.py).
     is_sharded = step is not None and limits.max_shard > 1
-    pin_mmap_threshold(trim_threshold_bytes=SHARDED_TRIM_THRESHOLD_BYTES if is_sharded
-                       else REPLICATED_TRIM_THRESHOLD_BYTES)
+    pin_heap(trim_threshold_bytes=SHARDED_TRIM_THRESHOLD_BYTES if is_sharded
+             else REPLICATED_TRIM_THRESHOLD_BYTES)
     sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
                              micro_batch_size=micro_batch_size)
     options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from elastic_rt.worker.allocator import HeapTrimmer, pin_mmap_threshold
+from elastic_rt.worker.allocator import HeapTrimmer, pin_heap
 
 MiB = 1 << 20
 
@@ -17,9 +18,9 @@ def test_the_heap_threshold_is_pinned_unless_the_user_chose_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
-    assert pin_mmap_threshold() is False
+    assert pin_heap() is False
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    assert pin_mmap_threshold() is True  # this machine's C library is glibc
+    assert pin_heap() is True  # this machine's C library is glibc
 
 
 def _trimmer(sizes_mib: list[int]) -> tuple[HeapTrimmer, list[int]]:
@@ -62,8 +63,8 @@ def test_free_chunks_below_a_live_block_are_returned_to_the_system() -> None:
     the holes back (glibc alone keeps them: each lies below a live block)."""
     program = textwrap.dedent("""
         import psutil
-        from elastic_rt.worker.allocator import HeapTrimmer, pin_mmap_threshold
-        assert pin_mmap_threshold()
+        from elastic_rt.worker.allocator import HeapTrimmer, pin_heap
+        assert pin_heap()
         trimmer = HeapTrimmer()
         trimmer.after_step()  # settles at the interpreter's size
         blocks = [bytearray(4 << 20) for _ in range(128)]  # from the heap (< 32 MiB)
@@ -89,8 +90,8 @@ def test_a_freed_block_at_the_heap_top_is_kept_for_the_next_step_under_fsdp(
     threshold gives it back to the system and every page faults in again."""
     program = textwrap.dedent(f"""
         import resource
-        from elastic_rt.worker.allocator import pin_mmap_threshold
-        assert pin_mmap_threshold(trim_threshold_bytes={trim_threshold})
+        from elastic_rt.worker.allocator import pin_heap
+        assert pin_heap(trim_threshold_bytes={trim_threshold})
 
         def touched(size):
             block = bytearray(size)  # from the heap (< 32 MiB)
@@ -110,3 +111,40 @@ def test_a_freed_block_at_the_heap_top_is_kept_for_the_next_step_under_fsdp(
         assert faults < 500, f"{faults} page faults: the freed block was not kept"
     else:
         assert faults > 3000, f"only {faults} page faults: the freed block was kept"
+
+
+@pytest.mark.parametrize("pinned, arenas", [(False, "several"), (True, "one")])
+def test_threads_allocate_from_the_main_heap_once_it_is_pinned(pinned: bool, arenas: str) -> None:
+    """Threads started after ``pin_heap`` (gloo's, which allocate each collective's
+    temporaries) share the main heap, whose trim threshold keeps freed blocks resident;
+    otherwise each gets an arena of its own (glibc's ``malloc_info`` lists every heap)."""
+    program = textwrap.dedent(f"""
+        import ctypes, ctypes.util, os, tempfile, threading
+        from elastic_rt.worker.allocator import pin_heap
+        if {pinned}:
+            assert pin_heap(trim_threshold_bytes=256 << 20)
+        together = threading.Barrier(4)
+
+        def allocate():
+            blocks = [bytearray(1 << 20) for _ in range(4)]
+            together.wait()  # all four alive at once: glibc would give each its own arena
+            del blocks
+
+        threads = [threading.Thread(target=allocate) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.fopen.restype = ctypes.c_void_p
+        with tempfile.NamedTemporaryFile(suffix=".xml") as report:
+            stream = libc.fopen(report.name.encode(), b"w")
+            libc.malloc_info(0, ctypes.c_void_p(stream))
+            libc.fclose(ctypes.c_void_p(stream))
+            print(open(report.name).read().count("<heap nr="))
+    """)
+    untuned = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=60, check=True, env=untuned)
+    heaps = int(out.stdout)
+    assert (heaps == 1) if arenas == "one" else heaps > 1, f"{heaps} arenas"
