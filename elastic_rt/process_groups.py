@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, _redistribute
 
 from elastic_rt.accelerator import backend_from_env, uses_nccl
 from elastic_rt.layout import AXES, Layout
@@ -347,8 +347,17 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta:
 
 def _forget_sharding_cache() -> None:
     # DTensor caches sharding decisions keyed by mesh equality, and a new round's mesh of the
-    # same shape compares equal to the old one: stale entries would point at destroyed groups.
+    # same shape compares equal to the old one. A cached output spec carries the old round's
+    # mesh, which knows this process by its old rank; an in-place op (every optimizer step)
+    # writes that spec onto the parameter, so after a re-form that moved ranks the state's
+    # DTensors would name the wrong rows (checkpoint offsets, clipping, gathers). The
+    # caches live in Python and, in recent torch, in C++ too (its DTensor fast path): all
+    # are cleared.
     propagator = DTensor._op_dispatcher.sharding_propagator
     for cached in vars(propagator).values():
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
+    for clear in (getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None)):
+        if clear is not None:
+            clear()

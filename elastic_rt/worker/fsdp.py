@@ -122,11 +122,10 @@ def load_full(state: TrainState, full: Piece, mesh: DeviceMesh | None) -> None:
     """Give this rank its rows of ``full`` (from :func:`join_pieces`). No communication.
 
     ``mesh`` is the round's mesh the state is sharded over (None: not sharded). It is passed,
-    not read from the parameters: torch can hand a new round's sharded parameters the mesh of
-    an earlier round that compares equal (same shape and names) but knows this process by its
-    old rank, so after a re-form that moved ranks (a node lost, then one joined) the rows
-    would be cut for the old rank. The optimizer's state tensors must exist
-    (``initialize_optimizer_state``).
+    not read from the parameters: a parameter's spec can come from DTensor's caches, which
+    held an earlier round's equal-looking mesh that knows this process by its old rank until
+    ``process_groups`` cleared them all (``_forget_sharding_cache``); the round's own mesh
+    cannot be stale. The optimizer's state tensors must exist (``initialize_optimizer_state``).
     """
     model, optimizer = state.model, state.optimizer
     names = {id(p): name for name, p in model.named_parameters()}

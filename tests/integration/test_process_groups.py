@@ -138,3 +138,37 @@ def test_aborting_on_notice_leaves_gloo_groups_working_and_reformable(
     # scripts/device_check.py checks); the workers inherit the setting.
     monkeypatch.setenv("ELASTIC_RT_BACKEND", "gloo")
     assert run_workers(_abort_then_train_on, 2, timeout_s=60) == [[0, 3.0, 30.0]] * 2
+
+
+def _shard_twice_with_ranks_swapped(env: WorkerEnv) -> list[object]:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    seen: list[object] = []
+    for round_, rank in enumerate((env.rank, 1 - env.rank)):
+        layout = Layout(dp=2, shard=2)
+        groups = init_groups(env.store, rank=rank, world_size=2, layout=layout,
+                             prefix=f"/elastic_rt/test/round-{round_}/", timeout=TIMEOUT)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 6)
+        full = model.weight.detach().clone()
+        fully_shard(model, mesh=groups.shard_mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # rows stay as they were
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()  # in-place DTensor ops: their specs come from DTensor's caches
+        weight, moment = model.weight, optimizer.state[model.weight]["exp_avg"]
+        assert isinstance(weight, DTensor) and isinstance(moment, DTensor)
+        seen.append([rank, list(weight.device_mesh.get_coordinate() or ()),
+                     list(moment.device_mesh.get_coordinate() or ()),
+                     torch.equal(weight.to_local(), full.chunk(2)[rank])])
+        destroy_groups(groups)
+    return seen
+
+
+def test_a_re_formed_round_that_moved_ranks_shards_by_the_new_ranks() -> None:
+    """A rank that moved keeps no trace of its old number in its sharded state: DTensor
+    caches specs by mesh equality, and the new round's mesh compares equal to the old one."""
+    results = run_workers(_shard_twice_with_ranks_swapped, 2, timeout_s=60)
+    for first in (0, 1):
+        assert results[first] == [[first, [first], [first], True],
+                                  [1 - first, [1 - first], [1 - first], True]], results
