@@ -10,9 +10,9 @@ the final parameters must equal those of an uninterrupted single-process run.
 
 Under FSDP (``fsdp4``: no replica) the same kill takes half of every parameter's rows. ``a``'s
 ranks hold copies of ``b``'s pieces in host memory (refreshed every step, beside training), so
-they restore from those, with no checkpoint configured, redoing at most one step; then ``c``
-grows the job back to ``fsdp4`` and takes its pieces from ``a``'s ranks in place (or from
-their pieces and copies at once, when the agents admit it in the same round).
+they restore from those, with no checkpoint configured, redoing at most one step; ``c`` starts
+only then, and grows the job back to ``fsdp4`` in a round of its own, taking its pieces from
+``a``'s live ones in place.
 
 With three one-worker nodes as ``fsdp3`` (copies on), ``b`` and ``c`` are SIGKILLed at once: a
 node and the holder of its copies are both lost, so ``a`` cannot cover every piece from
@@ -68,6 +68,11 @@ def _trained(tmp: Path, world_size: int, after: int = 0) -> bool:
     return any(step > after for step in _steps_in(tmp, world_size))
 
 
+def _restored(tmp: Path, node: str, source: str) -> bool:
+    return any(e.name == "state.restored" and e.node == node
+               and e.metadata["source"].startswith(source) for e in events(tmp / "events.jsonl"))
+
+
 def _steps_in(tmp: Path, world_size: int) -> list[int]:
     return [e.step or 0 for e in _completed(tmp) if e.metadata["world_size"] == world_size]
 
@@ -93,14 +98,17 @@ class Case:
     flags: list[str]  # the script's
     restored_from: str  # where a's ranks restore from after the kill
     nodes: str = "ab"  # they train together; all but a are SIGKILLed at once
-    joins: bool = False  # c starts while they train, and is admitted after the kill
+    joins: str = ""  # when c starts: "before the kill" (admitted with the recovery round or
+    # the next one, as the agents decide) or "after the recovery" (a growth round of its own)
     nproc: int = 2
 
 
 CKPT = ["--checkpoint", "CKPT"]
 CASES = {
-    "hsdp": Case(("hsdp2x2", "hsdp2x2"), ["--max-shard", "2"], "replicas", joins=True),
-    "fsdp": Case(("fsdp4", "fsdp4"), ["--max-shard", "64"], "peer copies", joins=True),
+    "hsdp": Case(("hsdp2x2", "hsdp2x2"), ["--max-shard", "2"], "replicas",
+                 joins="before the kill"),
+    "fsdp": Case(("fsdp4", "fsdp4"), ["--max-shard", "64"], "peer copies",
+                 joins="after the recovery"),
     "fsdp-copy-holder-lost": Case(("fsdp3", "dp1xpp1xtp1"),
                                   ["--max-shard", "64", *CKPT, "--every", "5"], "checkpoint",
                                   nodes="abc", nproc=1),
@@ -117,7 +125,7 @@ def test_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
     nodes = {node: _node(process_tree, etcd_server, run_id, tmp_path, node, extra, case)
              for node in case.nodes}
     wait_until(lambda: _formed(tmp_path, sorted(case.nodes)), 60, "the round of all nodes")
-    if case.joins:
+    if case.joins == "before the kill":
         # c's workers start (slow on a busy box) while a and b train; it joins after the kill.
         nodes["c"] = _node(process_tree, etcd_server, run_id, tmp_path, "c", extra, case)
         kv = EtcdKV(etcd_server.endpoint)
@@ -132,6 +140,11 @@ def test_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
                                for e in events(tmp_path / "events.jsonl")), 120, "a checkpoint")
     for node in case.nodes[1:]:
         os.killpg(nodes[node].pid, signal.SIGKILL)
+    if case.joins == "after the recovery":
+        # a restores alone first; c then grows the job in a round of its own and takes its
+        # pieces from a's live ones.
+        wait_until(lambda: _restored(tmp_path, "a", case.restored_from), 120, "a's recovery")
+        nodes["c"] = _node(process_tree, etcd_server, run_id, tmp_path, "c", extra, case)
     survivors = "ac" if case.joins else "a"
     for node in survivors:
         assert nodes[node].wait(timeout=180) == 0, (tmp_path / f"{node}.log").read_text()[-3000:]
@@ -153,8 +166,14 @@ def test_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
     # the members' live pieces: "replicas"), or the checkpoint when no memory had them all.
     assert case.restored_from in by_node["a"], by_node
     assert by_node["a"] <= {"init", case.restored_from, "replicas"}, by_node
-    if case.joins:
+    if case.joins == "before the kill":
         assert by_node["c"] and by_node["c"] <= {"replicas", case.restored_from}, by_node
+    elif case.joins:
+        assert by_node["c"] == {"replicas"}, by_node  # a growth: from a's live pieces
+        alone = {"fsdp4": "fsdp2"}[layout]
+        grown = [i for i, held in enumerate(layouts) if held == final_layout]
+        assert alone in layouts and layouts.index(alone) < grown[-1], \
+            f"no growth from {alone} back to {final_layout}: {layouts}"
     assert not [e for e in log if e.name == "worker.restarted"], "recovery was not in-process"
     # Each of a's workers did every step, none skipped; from peer copies, at most one step
     # again (the copy of a step is taken at the start of the next, and counts once it has
