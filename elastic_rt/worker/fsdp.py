@@ -11,20 +11,23 @@ loss by its share of the global batch.
 A rank's **piece** is what it holds of the state: its rows (dim 0) of every parameter and of
 every optimizer tensor shaped like one, plus what is whole everywhere (buffers, step counts,
 hyperparameters). Pieces ``0..shard-1`` of one step, concatenated in order, are the full state
-(FSDP2 splits dim 0 like ``torch.chunk``); a new layout takes its own rows of that full state
-with ``distribute_tensor`` and no communication. So state moves between any two layouts of the
-shard axis, FSDP, HSDP and plain replicas alike, by name.
+(FSDP2 splits dim 0 like ``torch.chunk``); a rank of a new layout needs only the rows its own
+piece of that layout covers, which ``piece_sync.fetch_rows`` brings from the old pieces'
+holders. So state moves between any two layouts of the shard axis, FSDP, HSDP and plain
+replicas alike, by name.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from elastic_rt.worker.train_state import TrainState
 
@@ -32,6 +35,20 @@ logger = logging.getLogger(__name__)
 
 Piece = dict[str, Any]
 """``{"params", "optim_rows", "optim_whole", "buffers", "groups"}``: one rank's part."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpec:
+    """A row-cut tensor of the state: where it lives in a piece, its full shape and dtype."""
+
+    side: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
 
 
 def shard_train_state(state: TrainState, mesh: DeviceMesh) -> None:
@@ -109,54 +126,47 @@ def local_piece(state: TrainState) -> Piece:
     return piece
 
 
-def join_pieces(pieces: list[Piece]) -> Piece:
-    """The full state from pieces ``0..n-1`` of one step (rows concatenated in order)."""
-    first = pieces[0]
-    full: Piece = {k: first[k] for k in ("buffers", "optim_whole", "groups")}
-    for side in ("params", "optim_rows"):
-        full[side] = {key: torch.cat([p[side][key] for p in pieces]) for key in first[side]}
-    return full
+def row_targets(state: TrainState) -> list[tuple[RowSpec, torch.Tensor]]:
+    """Every row-cut tensor of ``state`` (parameters, and optimizer tensors shaped like their
+    parameter) with its full shape, in one order every rank agrees on, and this rank's local
+    tensor of it (its rows; the whole tensor when not sharded) to restore into. The
+    optimizer's state tensors must exist (``initialize_optimizer_state``)."""
+    model, optimizer = state.model, state.optimizer
+    names = {id(p): name for name, p in model.named_parameters()}
+    found = [(RowSpec("params", name, tuple(p.shape), p.dtype), _local(p, detach=False))
+             for name, p in model.named_parameters()]
+    for held, entry in optimizer.state.items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == held.shape:
+                found.append((RowSpec("optim_rows", f"{names[id(held)]}\0{key}",
+                                      tuple(value.shape), value.dtype),
+                              _local(value, detach=False)))
+    return sorted(found, key=lambda pair: (pair[0].side, pair[0].key))
 
 
-def load_full(state: TrainState, full: Piece, mesh: DeviceMesh | None) -> None:
-    """Give this rank its rows of ``full`` (from :func:`join_pieces`). No communication.
-
-    ``mesh`` is the round's mesh the state is sharded over (None: not sharded). It is passed,
-    not read from the parameters: a parameter's spec can come from DTensor's caches, which
-    held an earlier round's equal-looking mesh that knows this process by its old rank until
-    ``process_groups`` cleared them all (``_forget_sharding_cache``); the round's own mesh
-    cannot be stale. The optimizer's state tensors must exist (``initialize_optimizer_state``).
-    """
+def load_whole(state: TrainState, whole: Piece) -> None:
+    """Put what is whole on every rank (buffers, optimizer step counts and the like,
+    hyperparameters) from ``whole`` into ``state``; the rows came with
+    ``piece_sync.fetch_rows``. The optimizer's state tensors must exist."""
     model, optimizer = state.model, state.optimizer
     names = {id(p): name for name, p in model.named_parameters()}
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            _copy_rows(param, full["params"][name], mesh)
         for name, buffer in model.named_buffers():
-            _local(buffer, detach=False).copy_(full["buffers"][name])
+            _local(buffer, detach=False).copy_(whole["buffers"][name])
         for held, entry in optimizer.state.items():
             name = names[id(held)]
             for key, value in entry.items():
                 flat = f"{name}\0{key}"
-                if flat in full["optim_rows"]:
-                    _copy_rows(value, full["optim_rows"][flat], mesh)
-                elif isinstance(value, torch.Tensor):
-                    value.copy_(full["optim_whole"][flat])
+                if flat not in whole["optim_whole"]:
+                    continue  # a row-cut tensor
+                if isinstance(value, torch.Tensor):
+                    value.copy_(whole["optim_whole"][flat])
                 else:
-                    entry[key] = full["optim_whole"][flat]
-    for group, saved in zip(optimizer.param_groups, full["groups"]):
+                    entry[key] = whole["optim_whole"][flat]
+    for group, saved in zip(optimizer.param_groups, whole["groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _local(tensor: torch.Tensor, *, detach: bool = True) -> torch.Tensor:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.detach().cpu() if detach else local
-
-
-def _copy_rows(target: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh | None) -> None:
-    if isinstance(target, DTensor):
-        assert mesh is not None and mesh.ndim == target.device_mesh.ndim
-        mine = distribute_tensor(full, mesh, target.placements, src_data_rank=None)
-        target.to_local().copy_(mine.to_local())
-    else:
-        target.copy_(full)

@@ -7,8 +7,12 @@ state can be rebuilt without storage when, for one step, every piece ``0..n-1`` 
 sharding ``n`` has a holder: the highest such step wins. Otherwise the caller falls back to
 the last committed checkpoint, resharded.
 
-:func:`pick_piece_sources` is the pure decision; :func:`gather_holdings` and
-:func:`fetch_full` are the thin collective parts.
+Each rank of the new round receives only the rows its new piece holds, never the full state:
+a rank of a 1,000-rank FSDP job would otherwise hold the whole model and optimizer for a
+moment, and a restore after a node loss would move every byte to every rank.
+
+:func:`pick_piece_sources` and :func:`row_sources` are the pure decisions;
+:func:`gather_holdings` and :func:`fetch_rows` are the thin collective parts.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
-from elastic_rt.worker.fsdp import Piece, join_pieces
+from elastic_rt.errors import ElasticError
+from elastic_rt.worker import abort
+from elastic_rt.worker.fsdp import Piece, RowSpec
 from elastic_rt.worker.state_sync import broadcast_state
 
 
@@ -81,23 +88,117 @@ def gather_holdings(
     return lives, snapshots, max(int(last) for last, _ in entries)
 
 
-def fetch_full(sources: Sources, read: Callable[[int], dict[str, Any]],
-               group: dist.ProcessGroup) -> tuple[Piece, dict[str, Any]]:
-    """The full state of ``sources.step`` on every rank, and piece 0's runtime metadata.
+def chunk_rows(total: int, count: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of piece ``index`` of ``total`` rows cut into ``count``, as
+    ``torch.chunk`` cuts them (FSDP2's dim-0 split: trailing pieces may be short or empty)."""
+    size = -(-total // count)
+    return min(index * size, total), min((index + 1) * size, total)
+
+
+def row_sources(total: int, count: int, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """Where rows ``[start, stop)`` of the full tensor lie among ``count`` old pieces:
+    ``(piece, first, end)`` in that piece's own rows, in row order."""
+    found = []
+    for index in range(count):
+        first, end = chunk_rows(total, count, index)
+        lo, hi = max(start, first), min(stop, end)
+        if lo < hi:
+            found.append((index, lo - first, hi - first))
+    return found
+
+
+def fetch_rows(sources: Sources, read: Callable[[int], dict[str, Any]], group: dist.ProcessGroup,
+               wants: list[tuple[int, int]], targets: list[tuple[RowSpec, torch.Tensor]]
+               ) -> tuple[Piece, dict[str, Any]]:
+    """Write this rank's rows of piece ``wants[rank]`` (``(count, index)``) of the state of
+    ``sources.step`` into ``targets``; return what is whole (a piece without its rows) and
+    piece 0's runtime metadata. Collective over ``group``.
 
     ``read(i)`` is called on the source of piece ``i`` only and returns
-    ``{"piece": Piece, "meta": {...}}``. Collective: one broadcast per piece.
-
-    Note:
-        Every rank holds the full state for a moment (host memory of the state's size);
-        sending each rank only its new rows would avoid that at the cost of a transfer plan.
+    ``{"piece": Piece, "meta": {...}}``. ``targets`` pairs every row-cut tensor's spec (its
+    full shape and dtype, the same on every rank: :func:`fsdp.row_targets`) with this rank's
+    local tensor of it, so every rank computes the same transfer plan without exchanging
+    one. What is whole (buffers, step counts, hyperparameters, metadata) comes by one
+    broadcast from piece 0's source; the rows by one all-to-all in which each rank receives
+    only the rows it lacks, straight into its own tensors after that.
     """
-    rank = dist.get_rank(group)
-    pieces: list[Piece] = []
-    meta: dict[str, Any] = {}
-    for index, src in enumerate(sources.ranks):
-        got = broadcast_state(read(index) if rank == src else None, src, group)
-        pieces.append(got["piece"])
-        if index == 0:
-            meta = got["meta"]
-    return join_pieces(pieces), meta
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    held = {index: read(index) for index, src in enumerate(sources.ranks) if src == rank}
+    first = held.get(0)
+    whole = broadcast_state(None if first is None else {
+        "whole": {side: first["piece"][side] for side in ("buffers", "optim_whole", "groups")},
+        "meta": first["meta"]}, sources.ranks[0], group)
+    specs = [spec for spec, _ in targets]
+    for index, got in held.items():
+        _check_piece(got["piece"], index, sources, specs)
+    # (destination, source) -> the slices it carries, in one agreed order on both ends.
+    plan: dict[tuple[int, int], list[tuple[RowSpec, int, int, int]]] = {}
+    for dest, want in enumerate(wants):
+        for spec in specs:
+            start, stop = chunk_rows(spec.shape[0], *want)
+            for old, lo, hi in row_sources(spec.shape[0], sources.count, start, stop):
+                plan.setdefault((dest, sources.ranks[old]), []).append((spec, old, lo, hi))
+
+    def held_rows(spec: RowSpec, old: int, lo: int, hi: int) -> torch.Tensor:
+        return held[old]["piece"][spec.side][spec.key][lo:hi]
+
+    def mine(spec: RowSpec, old: int, lo: int, hi: int) -> torch.Tensor:
+        """Where old piece ``old``'s rows ``lo:hi`` go in this rank's own tensor."""
+        local = by_spec[spec]
+        at = chunk_rows(spec.shape[0], sources.count, old)[0] + lo \
+            - chunk_rows(spec.shape[0], *wants[rank])[0]
+        return local[at:at + hi - lo]
+
+    by_spec = dict(targets)
+    with torch.no_grad():
+        for entry in plan.get((rank, rank), []):  # rows this rank holds already
+            mine(*entry).copy_(held_rows(*entry))
+        send = [_pack([held_rows(*entry) for entry in plan.get((dest, rank), [])])
+                if dest != rank else _pack([]) for dest in range(world)]
+        sizes = [sum(spec.row_bytes * (hi - lo) for spec, _, lo, hi in plan.get((rank, src), []))
+                 if src != rank else 0 for src in range(world)]
+        received = torch.empty(sum(sizes), dtype=torch.uint8)
+        work = dist.all_to_all_single(received, torch.cat(send), output_split_sizes=sizes,
+                                      input_split_sizes=[part.numel() for part in send],
+                                      group=group, async_op=True)
+        assert work is not None  # async_op=True always returns a Work
+        abort.wait(work.get_future())
+        for src, chunk in enumerate(torch.split(received, sizes)):
+            offset = 0
+            for entry in plan.get((rank, src), []) if src != rank else []:
+                rows = mine(*entry)
+                size = rows.numel() * rows.element_size()
+                _write_bytes(rows, chunk[offset:offset + size])
+                offset += size
+    return dict(whole["whole"]), whole["meta"]
+
+
+def _write_bytes(rows: torch.Tensor, data: torch.Tensor) -> None:
+    """Copy raw bytes into ``rows`` (a byte view of a typed tensor is always aligned; a typed
+    view of the received bytes might not be)."""
+    if rows.is_contiguous():
+        rows.view(-1).view(torch.uint8).copy_(data)
+    else:
+        staged = torch.empty(rows.shape, dtype=rows.dtype)
+        staged.view(-1).view(torch.uint8).copy_(data)
+        rows.copy_(staged)
+
+
+def _pack(slices: list[torch.Tensor]) -> torch.Tensor:
+    if not slices:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([s.contiguous().reshape(-1).view(torch.uint8) for s in slices])
+
+
+def _check_piece(piece: Piece, index: int, sources: Sources, rows: list[RowSpec]) -> None:
+    """A held piece must be cut the way the plan assumes, or rows would land in wrong places."""
+    for spec in rows:
+        tensor = piece[spec.side].get(spec.key)
+        start, stop = chunk_rows(spec.shape[0], sources.count, index)
+        if (tensor is None or tuple(tensor.shape) != (stop - start, *spec.shape[1:])
+                or tensor.dtype != spec.dtype):
+            held = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+            raise ElasticError(
+                f"piece {index} of {sources.count} of step {sources.step} holds {spec.key!r} "
+                f"as {held}, not rows {start}-{stop} of {spec.shape} {spec.dtype}: the model "
+                "built for this round differs from the one that trained")

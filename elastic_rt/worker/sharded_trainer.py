@@ -32,12 +32,13 @@ from elastic_rt.worker.context import Context
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.fsdp import (
     ShardedGradients,
-    load_full,
+    load_whole,
     local_piece,
+    row_targets,
     shard_train_state,
 )
 from elastic_rt.worker.peer_copies import PeerCopies, Ring, Snapshot, ring_holder
-from elastic_rt.worker.piece_sync import Holding, fetch_full, gather_holdings, pick_piece_sources
+from elastic_rt.worker.piece_sync import Holding, fetch_rows, gather_holdings, pick_piece_sources
 from elastic_rt.worker.replicated import (
     ReplicatedStep,
     StepFn,
@@ -117,10 +118,13 @@ class ShardedTrainer:
                     return {"piece": local_piece(old), "meta": _meta(old, old_stepper, at)}
                 snapshot = next(s for s in snapshots if s.step == sources.step)
                 return {"piece": snapshot.piece(index), "meta": snapshot.meta}
-            full, meta = fetch_full(sources, read, ctx.groups.world)
             self._shard(ctx)
             initialize_optimizer_state(self.state.optimizer)
-            load_full(self.state, full, ctx.groups.shard_mesh)
+            layout = ctx.layout
+            wants = [(layout.shard, layout.shard_index(rank)) for rank in range(ctx.world_size)]
+            whole, meta = fetch_rows(sources, read, ctx.groups.world, wants,
+                                     row_targets(self.state))
+            load_whole(self.state, whole)
             self._load_meta(meta, at)
             if last > sources.step:
                 logger.warning("restored from %s of step %d; steps %d-%d are done again",

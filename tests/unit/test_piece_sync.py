@@ -1,8 +1,18 @@
-"""Unit tests for the pure part of piece_sync: which ranks restore a sharded state."""
+"""Unit tests for the pure parts of piece_sync: which ranks restore a sharded state, and
+which old pieces hold the rows a new piece needs."""
 
 from __future__ import annotations
 
-from elastic_rt.worker.piece_sync import Holding, Sources, pick_piece_sources
+import pytest
+import torch
+
+from elastic_rt.worker.piece_sync import (
+    Holding,
+    Sources,
+    chunk_rows,
+    pick_piece_sources,
+    row_sources,
+)
 
 
 def test_every_piece_of_the_newest_step_is_taken_from_its_lowest_holder() -> None:
@@ -87,3 +97,20 @@ def test_losing_a_node_and_the_holder_of_its_copies_leaves_no_whole_step() -> No
     reports = _reports(nodes=3, per_node=2, lost={1}, live=9,
                        copied={r: [8, 9] for r in range(6)})
     assert pick_piece_sources(reports) == Sources(9, (0, 1, 2, 3, 0, 1))
+
+
+@pytest.mark.parametrize("total", [0, 1, 5, 10, 17])
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 6])
+def test_rows_are_cut_as_torch_chunk_cuts_them_and_found_again_among_old_pieces(
+        total: int, count: int) -> None:
+    rows = torch.arange(total)
+    chunks = list(torch.chunk(rows, count)) if total else []
+    chunks += [rows[:0]] * (count - len(chunks))  # FSDP2 gives trailing ranks empty pieces
+    for index in range(count):
+        start, stop = chunk_rows(total, count, index)
+        assert torch.equal(rows[start:stop], chunks[index])
+        for old_count in (1, 2, 3, 4):
+            old = list(torch.chunk(rows, old_count)) if total else []
+            found = [old[piece][lo:hi] for piece, lo, hi
+                     in row_sources(total, old_count, start, stop)]
+            assert torch.equal(torch.cat(found) if found else rows[:0], rows[start:stop])
