@@ -109,6 +109,34 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class RoundTally:
+    """Which of ``nodes`` hold a round that ``wanted`` accepts, kept as they take it.
+
+    A phase waits for a thousand nodes at once; a task per node waiting on its own
+    event cost the harness's loop a wake-up per node, on top of the node's own.
+    """
+
+    def __init__(self, nodes: list["SwarmNode"], wanted: Callable[[Round], bool]) -> None:
+        self.wanted = wanted
+        self.held: dict[str, Round] = {}
+        """The first accepted round each node took."""
+        self.pending = {node.node_id for node in nodes}
+        self.done = asyncio.Event()
+        for node in nodes:
+            for round_ in node.rounds:
+                self.saw(node.node_id, round_)
+        if not self.pending:
+            self.done.set()
+
+    def saw(self, node_id: str, round_: Round) -> None:
+        """``node_id`` took part in ``round_``."""
+        if node_id in self.pending and self.wanted(round_):
+            self.pending.discard(node_id)
+            self.held[node_id] = round_
+            if not self.pending:
+                self.done.set()
+
+
 class Swarm:
     """The shared channels and counters of many :class:`SwarmNode`.
 
@@ -124,6 +152,8 @@ class Swarm:
         self._clients = [AioEtcdKV(endpoint, self.counter) for _ in range(clients)]
         self._next = itertools.count()
         self.load = HarnessLoad()
+        self.tally: RoundTally | None = None
+        """Told of every round a node takes part in, while a phase waits for one."""
         self._leases: dict[int, Callable[[], Awaitable[None]]] = {}
 
     @property
@@ -313,6 +343,8 @@ class SwarmNode:
             if not self.rounds or self.rounds[-1].number != action.round.number:
                 self.rounds.append(action.round)
                 self._round_seen.set()
+                if self.swarm.tally is not None:
+                    self.swarm.tally.saw(self.node_id, action.round)
             self.state = policy.started(self.state, action.round)
         elif isinstance(action, policy.StopWorkers):
             self.state = policy.stopped(self.state)

@@ -250,7 +250,7 @@ def _summed(counts: Iterator[dict[str, int]]) -> dict[str, int]:
     return dict(total)
 
 
-def run_swarm(endpoint: str, n_nodes: int, *, processes: int = 4, events: bool = True,
+def run_swarm(endpoint: str, n_nodes: int, *, processes: int = 2, events: bool = True,
               clients: int = 32, timeout: float = 60.0, settle: float = 3.0,
               etcd_pid: int | None = None, **node_kwargs: Any) -> SwarmReport:
     """Form a round of ``n_nodes`` over ``processes`` slices; with ``events``, then

@@ -24,7 +24,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from agents.swarm import HarnessLoad, Swarm, SwarmNode
+from agents.swarm import HarnessLoad, RoundTally, Swarm, SwarmNode
 from elastic_rt.rendezvous.rounds import Limits, Round
 
 logger = logging.getLogger(__name__)
@@ -184,18 +184,20 @@ class _Slice:
             await victim.stop(revoke=True)
         elif newcomer is not None:
             newcomer.start()
-        waits = [asyncio.create_task(n.wait_for_round(arm.wanted)) for n in nodes]
-        done, pending = await asyncio.wait(waits, timeout=arm.timeout) if waits else (set(), set())
-        for task in pending:
-            task.cancel()
+        tally = swarm.tally = RoundTally(nodes, arm.wanted)
+        try:
+            await asyncio.wait_for(tally.done.wait(), arm.timeout)
+        except asyncio.TimeoutError:
+            pass
+        swarm.tally = None
         started = [n.joined_at for n in nodes if n.joined_at]
         self.conn.send(("result", SliceResult(
             done_at=time.monotonic(),
-            rounds={t.result() for t in done},
+            rounds=set(tally.held.values()),
             ops=swarm.counter.snapshot(), retries=swarm.retries.snapshot(),
             joined_at=max(started) if arm.event == "start" and started else 0.0,
             proposed_at=[t for n in nodes for t in n.proposed_at],
-            missing=len(pending), cpu_seconds=time.process_time() - cpu)))
+            missing=len(tally.pending), cpu_seconds=time.process_time() - cpu)))
         return nodes
 
 

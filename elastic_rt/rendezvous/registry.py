@@ -31,7 +31,6 @@ Two run ids never share a key, so two jobs on one etcd never see each other.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 from dataclasses import dataclass
@@ -69,7 +68,9 @@ def node_from(item: KeyValue) -> NodeInfo:
     return NodeInfo.from_json(item.value, joined_revision=item.create_revision, lease=item.lease)
 
 
-@functools.lru_cache(maxsize=4)
+_decoded: dict[int, tuple[bytes, Round]] = {}
+
+
 def decoded_round(value: bytes, token: int) -> Round:
     """The round stored as ``value`` at revision ``token``, decoded once per process.
 
@@ -78,9 +79,17 @@ def decoded_round(value: bytes, token: int) -> Round:
     the same round from its own watch: decoding a 1024-member round for every one
     of them cost its process more CPU than etcd needed for the whole round
     (issue 15), while on real machines each node decodes it once on its own CPU,
-    in parallel. ``Round`` is frozen, so the nodes can share the one decoded.
+    in parallel. ``Round`` is frozen, so the nodes can share the one decoded. Looked
+    up by revision, then compared byte for byte (cheaper than hashing the value).
     """
-    return Round.from_json(value, token=token)
+    held = _decoded.get(token)
+    if held is not None and held[0] == value:
+        return held[1]
+    round_ = Round.from_json(value, token=token)
+    if len(_decoded) >= 4:
+        _decoded.pop(next(iter(_decoded)))
+    _decoded[token] = (value, round_)
+    return round_
 
 
 def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,

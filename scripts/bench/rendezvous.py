@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128])
-    parser.add_argument("--processes", type=int, default=4,
+    parser.add_argument("--processes", type=int, default=2,
                         help="swarm slices, each a process with its own event loop and channels")
     parser.add_argument("--clients", type=int, default=32,
                         help="shared etcd channels per slice")
