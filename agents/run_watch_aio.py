@@ -56,10 +56,6 @@ class AioRunWatch:
     def is_leader(self) -> bool:
         return self._copy.is_leader
 
-    @property
-    def is_current(self) -> bool:
-        return self._copy.is_current
-
     # joining ---------------------------------------------------------------------------
     async def join(self, info: NodeInfo, lease: int) -> None:
         """As :meth:`RunWatch.join`: one transaction, then one watch."""
