@@ -2,15 +2,17 @@
 
 elastic-rt's nodes run in a swarm (agents/swarm.py): every node is a coroutine with
 its own lease, key and keep-alive that runs the agent's own code path (it follows the
-run through agents/run_watch.py and decides with agents/policy.py, as
-agents/agent.py does), and its etcd calls go through a few shared clients in each of
-``--processes`` slices (agents/swarm_slice.py), so 1024 nodes fit on two cores. Each
-phase is timed from its event (all nodes start; one node's lease is revoked, as an
-agent evicts a peer whose liveness socket refuses; one node starts) to every node
-holding the new round. Operations are the calls the nodes send (by kind; watch
-events pushed by etcd apart), retries are calls etcd failed and proposals that lost
-the compare, etcd's request rate comes from its own /metrics and its CPU from its
-process. The run fails (exit 2) when the harness was the bottleneck.
+run through agents/run_copy.py, sends the registry's requests and decides with
+agents/policy.py, as agents/agent.py does), and its etcd calls go out over a few
+shared grpc.aio channels from the event loop of each of ``--processes`` slices
+(agents/swarm_slice.py), so 1024 nodes fit on two cores. Each phase is timed from
+its event (all nodes start; one node's lease is revoked, as an agent evicts a peer
+whose liveness socket refuses; one node starts) to every node holding the new round.
+Operations are the calls the nodes send (by kind; watch events pushed by etcd apart),
+retries are calls etcd failed and proposals that lost the compare, etcd's request
+rate comes from its own /metrics and its CPU from its threads. The run fails (exit 2)
+when the harness was the bottleneck (a late event loop, a slice at its GIL's limit,
+or the harness and etcd together saturating the machine).
 
 torch: every node is a thread with a TCPStore client and a DynamicRendezvousHandler
 over the c10d backend, counted at its store calls (scripts/bench/_torch_c10d.py), each
