@@ -14,8 +14,11 @@ read again only when the copy cannot be trusted:
 - the job is completing: a follower reads the registrations once per decision,
   because :func:`agents.policy.finished_without_us` needs to know who is left.
 
-Shared by the agent (agents/agent.py) and the simulated nodes (agents/simulated.py,
-agents/swarm.py), so the benchmark counts the calls an agent makes.
+Shared by the agent (agents/agent.py) and the simulated nodes (agents/simulated.py).
+What the copy decides is :class:`agents.run_copy.RunCopy`, without IO; this class
+makes its etcd calls, blocking. The swarm simulator (agents/swarm.py) drives the same
+:class:`~agents.run_copy.RunCopy` and the same registry requests over asyncio
+(agents/run_watch_aio.py), so the benchmark counts the calls an agent makes.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from typing import Callable
 
 from agents import policy
 from agents.inbox import Inbox
+from agents.run_copy import RunCopy, needs_registrations
 from elastic_rt.errors import StoreError
-from elastic_rt.rendezvous.election import RunView
-from elastic_rt.rendezvous.kv import Change, KeyValue
-from elastic_rt.rendezvous.registry import ROUND, Joined, RunRegistry
+from elastic_rt.rendezvous.kv import Change
+from elastic_rt.rendezvous.registry import Joined, RunRegistry
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
 
 logger = logging.getLogger(__name__)
@@ -51,14 +54,8 @@ class RunWatch:
         self.inbox = inbox
         self._on_change = on_change
         self._lock = threading.Condition()
-        self._view: RunView | None = None
-        self._generation = 0
-        """Bumped by each new view, so a cancelled watch's late events are dropped."""
-        self._cancel: Callable[[], None] | None = None
-        self._resync = False
-        self._superseded: int | None = None
-        """The round token a lost proposal expected: the next decision waits until the
-        view holds another round (the winner's), unless it already does."""
+        """Guards :attr:`_copy`: watch events arrive on the client's thread."""
+        self._copy = RunCopy(registry.prefix)
         self._node_id = ""
         self._lease = 0
         self._last_read = 0.0
@@ -66,20 +63,13 @@ class RunWatch:
     @property
     def is_leader(self) -> bool:
         with self._lock:
-            return self._view is not None and self._view.leader
+            return self._copy.is_leader
 
     @property
     def is_current(self) -> bool:
-        """The next :meth:`read` needs no etcd call and no wait (the common case).
-
-        How a caller that multiplexes many nodes on one event loop (agents/swarm.py)
-        knows it may read on the loop rather than queue the read for a thread.
-        """
+        """The next :meth:`read` needs no etcd call and no wait (the common case)."""
         with self._lock:
-            view = self._view
-            return (view is not None and not self._resync and not self._waits_for_winner(view)
-                    and not (view.leader_gone and not view.leader)
-                    and not (view.snapshot().completing and not view.leader))
+            return self._copy.is_current
 
     # joining ---------------------------------------------------------------------------
     def join(self, info: NodeInfo, lease: int) -> None:
@@ -94,41 +84,32 @@ class RunWatch:
 
     def _follow(self, joined: Joined) -> None:
         """Hold the run as ``joined`` read it, and watch every change after that."""
-        view = RunView(self.registry.prefix, joined)
         with self._lock:
-            self._generation += 1
-            generation, self._view = self._generation, view
-            stale, self._cancel = self._cancel, None
-            self._resync = False
+            wanted, stale = self._copy.follow(joined)
         if stale is not None:
             stale()
 
         def changed(changes: list[Change] | None) -> None:  # from the watch's thread
             with self._lock:
-                if generation != self._generation:
-                    return
-                if changes is None:
-                    self._resync = True  # the stream broke: events may be lost
-                else:
-                    view.apply(changes)
+                current = self._copy.changed(wanted.generation, changes)
                 self._lock.notify_all()
-            self._tell()
+            if current:
+                self._tell()
 
         try:
-            cancel = self.registry.kv.watch_changes(view.watch_prefix, changed,
-                                                    start_revision=joined.revision + 1)
+            cancel = self.registry.kv.watch_changes(wanted.prefix, changed,
+                                                    start_revision=wanted.start_revision)
         except StoreError as exc:
             logger.warning("watch on run %s not armed (%s); reading it again",
                            self.registry.run_id, exc)
             with self._lock:
-                if generation == self._generation:
-                    self._resync = True
+                self._copy.arm_failed(wanted.generation)
             self._tell()
             return
         with self._lock:
-            if generation == self._generation:
-                self._cancel, cancel = cancel, lambda: None
-        cancel()  # a newer view replaced this one meanwhile
+            late = self._copy.armed(wanted.generation, cancel)
+        if late is not None:
+            late()  # a newer view replaced this one meanwhile
         self._tell()
 
     def _tell(self) -> None:
@@ -159,24 +140,18 @@ class RunWatch:
 
     def _current(self, patience: float) -> Snapshot:
         with self._lock:
-            self._lock.wait_for(lambda: self._view is not None
-                                and not self._waits_for_winner(self._view), patience)
-            self._superseded = None
-            view, resync = self._view, self._resync
-        assert view is not None, "the run is read before the node joined it"
-        if resync or (view.leader_gone and not view.leader):
+            self._lock.wait_for(lambda: self._copy.ready, patience)
+            refresh = self._copy.refresh()
+        if refresh is not None:
             joined = self.registry.claim_leadership(self._node_id, self._lease,
-                                                    held=view.leader_revision if view.leader
-                                                    else 0)
-            if joined.leader or resync:
+                                                    held=refresh.held)
+            with self._lock:
+                follow = self._copy.claimed(refresh, joined)
+            if follow:
                 self._follow(joined)
-            else:
-                with self._lock:
-                    view.merge(joined)
         with self._lock:
-            assert self._view is not None
-            snapshot = self._view.snapshot()
-        if snapshot.completing and not snapshot.nodes_known:
+            snapshot = self._copy.snapshot()
+        if needs_registrations(snapshot):
             return self.registry.snapshot()
         return snapshot
 
@@ -187,9 +162,9 @@ class RunWatch:
         message of a join that timed out.
         """
         with self._lock:
-            view = self._view
-            if view is not None and view.leader:
-                return len(view.snapshot().nodes)
+            held = self._copy.registered()
+        if held is not None:
+            return held
         try:
             return len(self.registry.nodes())
         except StoreError:
@@ -197,29 +172,15 @@ class RunWatch:
 
     # writing -----------------------------------------------------------------------------
     def propose(self, proposal: Propose) -> Round | None:
-        """Write the proposed round (None: another won), and hold the outcome at once.
-
-        A node deciding again on a copy without the round just written would propose
-        again; so a won round goes into the copy now, and after a lost one the next
-        read waits (up to ``retry_after``) for the watch to bring the winner's, unless
-        the copy holds it already (then no wait: the loser decides at once).
-        """
+        """Write the proposed round (None: another won), and hold the outcome at once
+        (see :meth:`agents.run_copy.RunCopy.proposed`)."""
         written = self.registry.propose(proposal)
         with self._lock:
-            if written is None:
-                self._superseded = proposal.expected_token
-            elif self._view is not None:
-                item = KeyValue(self.registry.key(ROUND), written.to_json(), written.token,
-                                written.token, 0)
-                self._view.apply([Change(item, deleted=False)])
+            self._copy.proposed(proposal, written)
         return written
-
-    def _waits_for_winner(self, view: RunView) -> bool:
-        return self._superseded is not None and view.round_token == self._superseded
 
     def close(self) -> None:
         with self._lock:
-            self._generation += 1
-            cancel, self._cancel = self._cancel, None
+            cancel = self._copy.close()
         if cancel is not None:
             cancel()

@@ -1,13 +1,15 @@
-"""Hundreds of rendezvous participants in one process: asyncio nodes over a few etcd clients.
+"""Hundreds of rendezvous participants in one process: asyncio nodes over a few etcd channels.
 
 :mod:`agents.simulated` gives every node a thread, a lease-keeper thread and its own
 gRPC channel; past ~200 nodes on two cores that harness, not etcd, is what is
 measured. Here each node is a coroutine that runs the agent's own decisions
-(:func:`agents.policy.decide` over the snapshots the agent's
-:class:`agents.run_watch.RunWatch` holds), with its own lease, key, watch and
-keep-alive, but its etcd calls go through a :class:`Swarm`: ``clients`` shared
-channels and ``workers`` threads that carry out the blocking calls. A node's watch is
-armed on one of the shared clients, as a real node arms it on its own.
+(:func:`agents.policy.decide` over the copy of the run that the agent's
+:class:`agents.run_copy.RunCopy` holds), with its own lease, key, watch and
+keep-alive. Its etcd calls are the agent's requests (the registry builds them) sent
+by :class:`agents.run_watch_aio.AioRunWatch` on one of a :class:`Swarm`'s ``clients``
+asyncio channels (:class:`~elastic_rt.rendezvous.etcd_aio.AioEtcdKV`), from the
+event loop: no thread per call. A node's watch is armed on one of the shared
+channels, as a real node arms it on its own.
 
 A thousand nodes are several such swarms, one per process
 (:mod:`agents.swarm_slice`, driven by :func:`agents.swarm_run.run_swarm`). The swarm
@@ -20,10 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Awaitable, Callable, TypeVar
@@ -31,14 +30,13 @@ from typing import Awaitable, Callable, TypeVar
 from agents import policy
 from agents.inbox import Inbox
 from agents.policy import AgentState, Observation
-from agents.run_watch import RunWatch
+from agents.run_watch_aio import AioRunWatch
 from agents.simulated import simulated_settings
 from elastic_rt.errors import StoreError
-from elastic_rt.rendezvous.etcd_kv import EtcdKV
-from elastic_rt.rendezvous.kv import KVStore
-from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.etcd_aio import AioEtcdKV
+from elastic_rt.rendezvous.registry import RunRequests
 from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round
-from elastic_rt.testing import CountingKV, OpCounter
+from elastic_rt.testing import OpCounter
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,51 +47,59 @@ class HarnessLoad:
     """How busy the harness itself was: the evidence that etcd, not it, set the pace."""
 
     loop_lag: list[float] = field(default_factory=list)
-    """Seconds each 20 ms monitor tick came late: a busy event loop."""
-    queue_wait: list[float] = field(default_factory=list)
-    """Seconds each etcd call waited for a free worker thread: a backlog."""
-    service: list[float] = field(default_factory=list)
-    """Seconds each etcd call took once on a thread: etcd's (and gRPC's) own pace."""
+    """Seconds each 20 ms monitor tick came late: a busy event loop, whose nodes'
+    answers from etcd wait that long before they are read."""
+    call_seconds: list[float] = field(default_factory=list)
+    """Seconds from each etcd call's send to its answer's being taken up by the node:
+    etcd's pace plus gRPC's plus any loop lag."""
     cpu_seconds: float = 0.0
     wall_seconds: float = 0.0
     total_cpu: float = 0.0
-    """Cores all the harness's processes used together (agents/swarm_slice.py); the
-    share judged is one process's (:attr:`cpu_share`), the one that can hit the GIL."""
+    """Cores all the harness's processes used together over their life
+    (agents/swarm_slice.py)."""
+    box_busy: float = 0.0
+    """The largest share of the machine's cores that the harness and etcd kept busy
+    together in one phase (agents/swarm_run.py ``Phase.box_busy``)."""
+    box_busy_phase: str = ""
     processes: int = 1
 
     @property
     def cpu_share(self) -> float:
-        """Cores the harness process used on average (1.0 = one core busy)."""
+        """Cores the busiest harness process used on average (1.0 = one core busy)."""
         return self.cpu_seconds / self.wall_seconds if self.wall_seconds else 0.0
 
-    def verdict(self, *, max_lag: float = 0.05, max_queue: float = 0.05,
-                max_cpu: float = 0.9) -> str | None:
+    def verdict(self, *, max_lag: float = 0.05, max_cpu: float = 0.9,
+                max_box: float = 0.9) -> str | None:
         """Why the harness was the bottleneck, or None when it was not.
 
         Lag is judged at p90: a burst as a thousand nodes start at once is expected;
-        a loop that is late on a tenth of its ticks is saturated.
+        a loop that is late on a tenth of its ticks is saturated (an answer from etcd
+        waits that long to be read). A process above ``max_cpu`` cores is at its
+        GIL's limit. When the harness and etcd together kept more than ``max_box``
+        of the machine's cores busy in a phase, etcd shared the CPU with the harness
+        and its pace may be the harness's, however idle each loop looked.
         """
-        lag, queue = _p(self.loop_lag, 0.9), _p(self.queue_wait, 0.9)
-        service = _p(self.service, 0.9)
+        lag = _p(self.loop_lag, 0.9)
         problems = []
         if lag > max_lag:
             problems.append(f"event loop p90 lag {lag * 1000:.0f} ms > {max_lag * 1000:.0f} ms")
-        # Calls queue behind threads that wait on etcd too; only a queue longer than
-        # etcd's own answer time says the thread pool, not etcd, held them up.
-        if queue > max(max_queue, service):
-            problems.append(f"etcd calls p90 queued {queue * 1000:.0f} ms for a worker thread "
-                            f"(> {service * 1000:.0f} ms p90 in etcd)")
         if self.cpu_share > max_cpu:
-            problems.append(f"harness used {self.cpu_share:.2f} cores (GIL-bound above "
-                            f"{max_cpu})")
+            problems.append(f"a harness process used {self.cpu_share:.2f} cores (GIL-bound "
+                            f"above {max_cpu})")
+        if self.box_busy > max_box:
+            problems.append(f"harness and etcd kept {self.box_busy:.0%} of the machine's "
+                            f"cores busy in {self.box_busy_phase!r} (> {max_box:.0%}: etcd "
+                            f"shared the CPU with the harness)")
         return "; ".join(problems) or None
 
     def summary(self) -> str:
         return (f"loop lag p90/p99 {_p(self.loop_lag, 0.9) * 1000:.0f}/"
-                f"{_p(self.loop_lag, 0.99) * 1000:.0f} ms, call queue p90 "
-                f"{_p(self.queue_wait, 0.9) * 1000:.0f} ms, call p90 "
-                f"{_p(self.service, 0.9) * 1000:.0f} ms, harness cpu {self.cpu_share:.2f} "
-                f"(busiest of {self.processes} processes; {self.total_cpu:.2f} in all)")
+                f"{_p(self.loop_lag, 0.99) * 1000:.0f} ms, call p50/p90 "
+                f"{_p(self.call_seconds, 0.5) * 1000:.0f}/"
+                f"{_p(self.call_seconds, 0.9) * 1000:.0f} ms, harness cpu "
+                f"{self.cpu_share:.2f} (busiest of {self.processes} processes; "
+                f"{self.total_cpu:.2f} in all), harness + etcd {self.box_busy:.0%} of the "
+                f"machine in {self.box_busy_phase!r}")
 
 
 def _p(values: list[float], q: float) -> float:
@@ -103,58 +109,78 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class Swarm:
-    """The shared clients, worker threads and counters of many :class:`SwarmNode`.
+class RoundTally:
+    """Which of ``nodes`` hold a round that ``wanted`` accepts, kept as they take it.
 
-    Use inside a running event loop; :meth:`close` releases the clients.
+    A phase waits for a thousand nodes at once; a task per node waiting on its own
+    event cost the harness's loop a wake-up per node, on top of the node's own.
     """
 
-    def __init__(self, endpoint: str, run_id: str, *, clients: int = 8, workers: int = 64
-                 ) -> None:
+    def __init__(self, nodes: list["SwarmNode"], wanted: Callable[[Round], bool]) -> None:
+        self.wanted = wanted
+        self.held: dict[str, Round] = {}
+        """The first accepted round each node took."""
+        self.pending = {node.node_id for node in nodes}
+        self.done = asyncio.Event()
+        for node in nodes:
+            for round_ in node.rounds:
+                self.saw(node.node_id, round_)
+        if not self.pending:
+            self.done.set()
+
+    def saw(self, node_id: str, round_: Round) -> None:
+        """``node_id`` took part in ``round_``."""
+        if node_id in self.pending and self.wanted(round_):
+            self.pending.discard(node_id)
+            self.held[node_id] = round_
+            if not self.pending:
+                self.done.set()
+
+
+class Swarm:
+    """The shared channels and counters of many :class:`SwarmNode`.
+
+    Use inside a running event loop; :meth:`close` releases the channels.
+    """
+
+    def __init__(self, endpoint: str, run_id: str, *, clients: int = 8) -> None:
         self.run_id = run_id
+        self.requests = RunRequests(run_id)
         self.counter = OpCounter()
         self.retries = OpCounter()
         """Calls that etcd failed (``store_error``) and proposals that lost the compare."""
-        self._clients: list[KVStore] = [
-            CountingKV(EtcdKV(endpoint), self.counter) for _ in range(clients)]
+        self._clients = [AioEtcdKV(endpoint, self.counter) for _ in range(clients)]
         self._next = itertools.count()
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="swarm-etcd")
         self.load = HarnessLoad()
-        self._lock = threading.Lock()
+        self.tally: RoundTally | None = None
+        """Told of every round a node takes part in, while a phase waits for one."""
         self._leases: dict[int, Callable[[], Awaitable[None]]] = {}
 
     @property
-    def clients(self) -> list[KVStore]:
+    def clients(self) -> list[AioEtcdKV]:
         return list(self._clients)
 
-    def kv(self) -> KVStore:
-        """The next shared client (round robin), as a node's own."""
+    def kv(self) -> AioEtcdKV:
+        """The next shared channel (round robin), as a node's own."""
         return self._clients[next(self._next) % len(self._clients)]
 
-    async def call(self, fn: Callable[..., T], *args: object) -> T:
-        """Run one blocking etcd call on a worker thread, recording how long it queued."""
-        submitted = time.monotonic()
-
-        def timed() -> T:
-            began = time.monotonic()
-            try:
-                return fn(*args)
-            finally:
-                with self._lock:
-                    self.load.queue_wait.append(began - submitted)
-                    self.load.service.append(time.monotonic() - began)
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
+    async def call(self, call: Awaitable[T]) -> T:
+        """Await one etcd call, recording how long its answer took to be taken up."""
+        began = time.monotonic()
+        try:
+            return await call
+        finally:
+            self.load.call_seconds.append(time.monotonic() - began)
 
     async def monitor(self, stop: asyncio.Event, tick: float = 0.02) -> None:
         """Sample the event loop's lag and the process's CPU until ``stop`` is set."""
-        began, cpu = time.monotonic(), _cpu()
+        began, cpu = time.monotonic(), time.process_time()
         while not stop.is_set():
             expected = time.monotonic() + tick
             await asyncio.sleep(tick)
             self.load.loop_lag.append(max(0.0, time.monotonic() - expected))
         self.load.wall_seconds = time.monotonic() - began
-        self.load.cpu_seconds = _cpu() - cpu
+        self.load.cpu_seconds = time.process_time() - cpu
         self.load.total_cpu = self.load.cpu_share
 
     def keep(self, lease_id: int, on_lost: Callable[[], Awaitable[None]]) -> None:
@@ -176,7 +202,7 @@ class Swarm:
             ids = list(self._leases)
             chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
             results = await asyncio.gather(
-                *(self.call(self.kv().refresh_leases, chunk) for chunk in chunks),
+                *(self.call(self.kv().refresh_leases(chunk)) for chunk in chunks),
                 return_exceptions=True)
             for chunk, alive in zip(chunks, results):
                 if isinstance(alive, BaseException):
@@ -197,23 +223,18 @@ class Swarm:
             except asyncio.TimeoutError:
                 pass
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        for client in self._clients:
-            client.close()
-
-
-def _cpu() -> float:
-    times = os.times()
-    return times.user + times.system
+    async def close(self) -> None:
+        await asyncio.gather(*(client.close() for client in self._clients),
+                             return_exceptions=True)
 
 
 class SwarmNode:
-    """One participant: own lease and key, the agent's decisions, shared clients.
+    """One participant: own lease and key, the agent's decisions, shared channels.
 
-    It follows the run as an agent does, through :class:`~agents.run_watch.RunWatch`
-    (one join transaction, then a watch: the leader's on the whole run, a follower's
-    on the ``round`` keys), and its blocking calls run on the swarm's threads.
+    It follows the run as an agent does, with the agent's
+    :class:`~agents.run_copy.RunCopy` and requests (one join transaction, then a
+    watch: the leader's on the whole run, a follower's on the ``round`` keys),
+    carried by :class:`~agents.run_watch_aio.AioRunWatch` on the event loop.
 
     Args:
         swarm: where its etcd calls go.
@@ -234,9 +255,9 @@ class SwarmNode:
         self.settings = simulated_settings(node_id, limits, wait_poll=wait_poll,
                                            member_poll=member_poll)
         self.kv = swarm.kv()
-        self.registry = RunRegistry(self.kv, swarm.run_id)
         self.inbox = Inbox()
-        self.watch = RunWatch(self.registry, self.inbox, on_change=self._woken)
+        self._wake = asyncio.Event()
+        self.watch = AioRunWatch(swarm.requests, self.kv, self.inbox, on_change=self._wake.set)
         self.state = AgentState()
         self.lease = 0
         self.rounds: list[Round] = []
@@ -246,22 +267,18 @@ class SwarmNode:
         """Monotonic time the node's registration (and watch) was done."""
         self.proposed_at: list[float] = []
         """Monotonic time of each won proposal."""
-        self._wake = asyncio.Event()
         self._round_seen = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self._tasks.append(asyncio.create_task(self._run(), name=self.node_id))
 
     async def stop(self, *, revoke: bool = True, cancel_watch: bool = True) -> None:
         """Leave: with ``revoke`` the key goes now (a graceful leave or an eviction).
 
-        ``cancel_watch=False`` when the shared clients close next (their channels end
-        every watch at once): a thousand cancels one by one on a busy stream can
-        block the loop (python-etcd3 queues each on a bounded queue, under its lock).
+        ``cancel_watch=False`` when the shared channels close next (their streams end
+        every watch at once).
         """
         self.swarm.forget(self.lease)
         for task in self._tasks:
@@ -271,7 +288,7 @@ class SwarmNode:
             self.watch.close()
         if revoke and self.lease:
             try:
-                await self.swarm.call(self.kv.revoke_lease, self.lease)
+                await self.swarm.call(self.kv.revoke_lease(self.lease))
             except StoreError:
                 logger.debug("%s: revoke failed", self.node_id, exc_info=True)
 
@@ -290,24 +307,16 @@ class SwarmNode:
         while True:
             await self._step()
 
-    def _woken(self) -> None:  # from a client's watch thread, or a worker thread
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
-
     async def _register(self) -> None:
         """A new lease, then the agent's join: one transaction and one watch."""
-        self.lease = await self.swarm.call(self.kv.grant_lease, max(1, int(self.ttl.seconds)))
-        await self.swarm.call(self.watch.join, self.info, self.lease)
+        self.lease = await self.swarm.call(self.kv.grant_lease(max(1, int(self.ttl.seconds))))
+        await self.swarm.call(self.watch.join(self.info, self.lease))
         self.swarm.keep(self.lease, self._lease_lost)
 
     async def _step(self) -> None:
         if self.inbox.take_fenced():
             self.state = policy.fenced(self.state)
-        if self.watch.is_current:  # in memory: queueing it for a thread only adds lag
-            snapshot, store_error = self.watch.read(self.state, self.settings)
-        else:
-            snapshot, store_error = await self.swarm.call(self.watch.read, self.state,
-                                                          self.settings)
+        snapshot, store_error = await self.watch.read(self.state, self.settings)
         if store_error:
             self.swarm.retries.add("store_error")
         obs = Observation(now=time.monotonic(), now_ms=int(time.time() * 1000),
@@ -321,7 +330,7 @@ class SwarmNode:
         if isinstance(action, policy.ProposeRound):
             self.inbox.reread()
             try:
-                written = await self.swarm.call(self.watch.propose, action.proposal)
+                written = await self.swarm.call(self.watch.propose(action.proposal))
             except StoreError:
                 self.swarm.retries.add("store_error")
                 return
@@ -334,14 +343,17 @@ class SwarmNode:
             if not self.rounds or self.rounds[-1].number != action.round.number:
                 self.rounds.append(action.round)
                 self._round_seen.set()
+                if self.swarm.tally is not None:
+                    self.swarm.tally.saw(self.node_id, action.round)
             self.state = policy.started(self.state, action.round)
         elif isinstance(action, policy.StopWorkers):
             self.state = policy.stopped(self.state)
         elif isinstance(action, policy.Sleep):
-            try:
-                await asyncio.wait_for(self._wake.wait(), action.seconds)
-            except asyncio.TimeoutError:
-                pass
+            # Until woken or the time is up; a timer that sets the same event costs
+            # the loop less than wait_for's extra task, a thousand nodes at a time.
+            timer = asyncio.get_running_loop().call_later(action.seconds, self._wake.set)
+            await self._wake.wait()
+            timer.cancel()
             self._wake.clear()
         elif isinstance(action, (policy.Exit, policy.CloseRun, policy.JoinTimedOut)):
             raise RuntimeError(f"{self.node_id}: unexpected {action} in a rendezvous swarm")

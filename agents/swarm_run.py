@@ -1,7 +1,7 @@
 """Scenarios on a swarm spread over processes: form a round, lose a node, admit one.
 
 The nodes are split over ``processes`` slices (agents/swarm_slice.py), each a
-process with its own event loop, etcd clients and threads, so that the harness's
+process with its own event loop and etcd channels, so that the harness's
 Python is not what a thousand nodes wait on. Each scenario times one event to
 "every node holds the new round" and counts what it cost: etcd calls per node by
 kind (sent by the nodes), retries, and etcd's own request count from its
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import re
 import time
 import urllib.request
@@ -22,8 +23,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Iterator
-
-import psutil
 
 from agents.swarm import HarnessLoad
 from agents.swarm_slice import Arm, SliceResult, SliceSpec, Wanted, merge_loads, serve
@@ -77,11 +76,23 @@ class Phase:
     etcd_cpu: float | None = None
     """Cores the etcd process used in the window (None: its PID was not given): near
     the box's free cores, etcd's CPU, not the harness, set the pace."""
+    harness_cpu: float = 0.0
+    """Cores the slice processes used together in the window."""
+    etcd_cpu_wait: float = 0.0
+    """Seconds etcd's threads were ready to run but waited for a CPU in the window
+    (the kernel's run-queue delay, /proc/<pid>/task/*/schedstat): the direct sign
+    that the box, the harness first, took the CPU etcd needed."""
 
     def per_node(self, exclude: tuple[str, ...] = ("watch_event", "refresh_lease")) -> float:
         """etcd calls per node for this event; keep-alives are per second, not per
         round (:attr:`SwarmReport.lease_refresh_per_s`), and watch events are pushed."""
         return sum(n for k, n in self.ops.items() if k not in exclude) / self.n_nodes
+
+    @property
+    def box_busy(self) -> float:
+        """The share of the machine's cores the harness and etcd kept busy together
+        (1.0: every core): near it, etcd shared the CPU with the harness."""
+        return (self.harness_cpu + (self.etcd_cpu or 0.0)) / (os.cpu_count() or 1)
 
     @property
     def etcd_rate(self) -> float:
@@ -169,11 +180,29 @@ class _Slices:
         return loads
 
 
-def _cpu_seconds(pid: int | None) -> float:
+def scheduled_seconds(pid: int | None) -> tuple[float, float]:
+    """(seconds on a CPU, seconds waiting on a run queue) of all threads of ``pid``.
+
+    From each thread's ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds, unlike the
+    10 ms ticks of ``/proc/<pid>/stat``, so a phase of a tenth of a second is still
+    measured); a thread that ended since is left out, so read it for a long-lived
+    process (etcd). (0, 0) when ``pid`` is None or gone.
+    """
     if pid is None:
-        return 0.0
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
+        return 0.0, 0.0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0
+    ran = waited = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as handle:
+                fields = handle.read().split()
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return ran / 1e9, waited / 1e9
 
 
 def _phase(name: str, slices: _Slices, endpoint: str, n_nodes: int, arm: Arm,
@@ -182,12 +211,13 @@ def _phase(name: str, slices: _Slices, endpoint: str, n_nodes: int, arm: Arm,
     slices.send(arm)
     slices.gather("armed", arm.timeout)
     before = etcd_requests(endpoint)
-    cpu_before = _cpu_seconds(etcd_pid)
+    cpu_before, wait_before = scheduled_seconds(etcd_pid)
     began = time.monotonic()
     slices.send("go")
     results: list[SliceResult] = slices.gather("result", arm.timeout + 30)
     wall = time.monotonic() - began
-    etcd_cpu = (_cpu_seconds(etcd_pid) - cpu_before) / wall if etcd_pid else None
+    cpu_after, wait_after = scheduled_seconds(etcd_pid)
+    etcd_cpu = (cpu_after - cpu_before) / wall if etcd_pid else None
     after = etcd_requests(endpoint)
     missing = sum(r.missing for r in results)
     if missing:
@@ -202,7 +232,9 @@ def _phase(name: str, slices: _Slices, endpoint: str, n_nodes: int, arm: Arm,
     fsyncs = (int(etcd.pop("fsync", 0)), etcd.pop("fsync_s", 0.0))
     phase = Phase(name, n_nodes, seconds, _summed(r.ops for r in results),
                   _summed(r.retries for r in results), etcd, rounds.pop(), began,
-                  etcd_cpu=etcd_cpu, fsyncs=fsyncs)
+                  etcd_cpu=etcd_cpu, fsyncs=fsyncs,
+                  harness_cpu=sum(r.cpu_seconds for r in results) / wall,
+                  etcd_cpu_wait=wait_after - wait_before)
     proposed = [t for r in results for t in r.proposed_at if t >= began]
     if arm.event == "start":
         phase.milestones["all joined"] = max(r.joined_at for r in results) - began
@@ -218,13 +250,13 @@ def _summed(counts: Iterator[dict[str, int]]) -> dict[str, int]:
     return dict(total)
 
 
-def run_swarm(endpoint: str, n_nodes: int, *, processes: int = 4, events: bool = True,
-              clients: int = 32, workers: int = 64, timeout: float = 60.0, settle: float = 3.0,
+def run_swarm(endpoint: str, n_nodes: int, *, processes: int = 2, events: bool = True,
+              clients: int = 32, timeout: float = 60.0, settle: float = 3.0,
               etcd_pid: int | None = None, **node_kwargs: Any) -> SwarmReport:
     """Form a round of ``n_nodes`` over ``processes`` slices; with ``events``, then
     evict one node and admit one.
 
-    ``clients`` and ``workers`` are each slice's; ``etcd_pid``, when given, has each
+    ``clients`` is each slice's channels; ``etcd_pid``, when given, has each
     phase report etcd's CPU. The eviction is what an agent does
     when a peer's liveness socket refuses (it revokes the peer's lease), so the time
     measured is the protocol's, not a TTL.
@@ -233,7 +265,7 @@ def run_swarm(endpoint: str, n_nodes: int, *, processes: int = 4, events: bool =
     limits = Limits(min_nodes=max(1, n_nodes - 1), max_nodes=n_nodes, last_call=60.0)
     names = [f"node-{i:04d}" for i in range(n_nodes)]
     processes = max(1, min(processes, n_nodes))
-    specs = [SliceSpec(i, endpoint, run_id, tuple(names[i::processes]), limits, clients, workers,
+    specs = [SliceSpec(i, endpoint, run_id, tuple(names[i::processes]), limits, clients,
                        **node_kwargs) for i in range(processes)]
     report = SwarmReport()
     slices = _Slices(specs, start_timeout=timeout)
@@ -260,4 +292,6 @@ def run_swarm(endpoint: str, n_nodes: int, *, processes: int = 4, events: bool =
         raise RuntimeError("the swarm slices did not report their load, so whether the "
                            "harness set the pace cannot be judged")
     report.load = merge_loads(loads)
+    busiest = max(report.phases, key=lambda phase: phase.box_busy)
+    report.load.box_busy, report.load.box_busy_phase = busiest.box_busy, busiest.name
     return report

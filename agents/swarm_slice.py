@@ -1,9 +1,8 @@
 """One process's share of a swarm: a slice of the nodes, driven over a pipe.
 
-One Python process holding a thousand nodes was the limit, not etcd (issue 15): its
-64 threads made 3072 join calls queue for a second, and adding threads only moved
-the wait onto the GIL. So :func:`agents.swarm_run.run_swarm` spreads the nodes over
-a few processes, each with its own event loop, clients and threads, and each runs
+One Python process holding a thousand nodes was the limit, not etcd (issue 15): it
+had one core, under one GIL. So :func:`agents.swarm_run.run_swarm` spreads the nodes
+over a few processes, each with its own event loop and channels, and each runs
 :func:`serve` here. Every node is still a :class:`~agents.swarm.SwarmNode` with its
 own lease, key and watch, running the agent's decisions.
 
@@ -25,7 +24,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from agents.swarm import HarnessLoad, Swarm, SwarmNode
+from agents.swarm import HarnessLoad, RoundTally, Swarm, SwarmNode
 from elastic_rt.rendezvous.rounds import Limits, Round
 
 logger = logging.getLogger(__name__)
@@ -42,7 +41,6 @@ class SliceSpec:
     node_ids: tuple[str, ...]
     limits: Limits
     clients: int
-    workers: int
     ttl: timedelta = timedelta(seconds=10)
     member_poll: float = 1.0
     wait_poll: float = 0.5
@@ -95,6 +93,8 @@ class SliceResult:
     proposed_at: list[float] = field(default_factory=list)
     missing: int = 0
     """Nodes that did not hold the round before the timeout."""
+    cpu_seconds: float = 0.0
+    """CPU the slice process used from ``go`` to this answer."""
 
 
 def serve(conn: Connection, spec: SliceSpec) -> None:
@@ -122,7 +122,7 @@ class _Slice:
 
     async def serve(self) -> None:
         spec = self.spec
-        swarm = Swarm(spec.endpoint, spec.run_id, clients=spec.clients, workers=spec.workers)
+        swarm = Swarm(spec.endpoint, spec.run_id, clients=spec.clients)
         nodes = [self._node(swarm, node_id) for node_id in spec.node_ids]
         stop = asyncio.Event()
         monitor = asyncio.create_task(swarm.monitor(stop))
@@ -131,7 +131,7 @@ class _Slice:
         try:
             # Connect every channel before the clock starts, as an agent's has at its
             # first rendezvous call (its preview read); not counted below.
-            await asyncio.gather(*(swarm.call(kv.get, swarm.run_id) for kv in swarm.clients))
+            await asyncio.gather(*(swarm.call(kv.get(swarm.run_id)) for kv in swarm.clients))
             self.conn.send(("ready", None))
             while True:
                 command = await self._recv()
@@ -160,7 +160,7 @@ class _Slice:
         except asyncio.TimeoutError:
             logger.warning("swarm slice %d: leases not all revoked within 30 s; they end "
                            "at their TTL", self.spec.index)
-        swarm.close()
+        await swarm.close()
 
     async def _phase(self, swarm: Swarm, nodes: list[SwarmNode], arm: Arm) -> list[SwarmNode]:
         """One phase; returns the slice's nodes after it."""
@@ -176,6 +176,7 @@ class _Slice:
         self.conn.send(("armed", None))
         if await self._recv() != "go":
             raise RuntimeError("the parent sent no go")
+        cpu = time.process_time()  # every thread of the process, to the nanosecond
         if arm.event == "start":
             for node in nodes:
                 node.start()
@@ -183,18 +184,20 @@ class _Slice:
             await victim.stop(revoke=True)
         elif newcomer is not None:
             newcomer.start()
-        waits = [asyncio.create_task(n.wait_for_round(arm.wanted)) for n in nodes]
-        done, pending = await asyncio.wait(waits, timeout=arm.timeout) if waits else (set(), set())
-        for task in pending:
-            task.cancel()
+        tally = swarm.tally = RoundTally(nodes, arm.wanted)
+        try:
+            await asyncio.wait_for(tally.done.wait(), arm.timeout)
+        except asyncio.TimeoutError:
+            pass
+        swarm.tally = None
         started = [n.joined_at for n in nodes if n.joined_at]
         self.conn.send(("result", SliceResult(
             done_at=time.monotonic(),
-            rounds={t.result() for t in done},
+            rounds=set(tally.held.values()),
             ops=swarm.counter.snapshot(), retries=swarm.retries.snapshot(),
             joined_at=max(started) if arm.event == "start" and started else 0.0,
             proposed_at=[t for n in nodes for t in n.proposed_at],
-            missing=len(pending))))
+            missing=len(tally.pending), cpu_seconds=time.process_time() - cpu)))
         return nodes
 
 
@@ -207,8 +210,7 @@ def merge_loads(loads: list[HarnessLoad]) -> HarnessLoad:
     merged = HarnessLoad()
     for load in loads:
         merged.loop_lag += load.loop_lag
-        merged.queue_wait += load.queue_wait
-        merged.service += load.service
+        merged.call_seconds += load.call_seconds
     busiest = max(loads, key=lambda load: load.cpu_share)
     merged.cpu_seconds, merged.wall_seconds = busiest.cpu_seconds, busiest.wall_seconds
     merged.total_cpu = sum(load.cpu_share for load in loads)

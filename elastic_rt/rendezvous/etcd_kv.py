@@ -1,4 +1,4 @@
-"""The only importer of ``etcd3``: the KVStore protocol over the etcd v3 API.
+"""The KVStore protocol over the etcd v3 API (with etcd_aio.py, the only importer of ``etcd3``).
 
 Every etcd or gRPC failure is translated here, keeping the cause (``from exc``):
 connection problems become :class:`StoreConnectionError` (retryable); a refused
@@ -292,23 +292,13 @@ class EtcdKV:
     @_translated
     def txn(self, expect: dict[str, int], success: Sequence[TxnOp],
             failure: Sequence[TxnOp] = ()) -> TxnResult:
-        tx = self._client.transactions
-        compares = [
-            tx.version(k) == 0 if rev == 0 else tx.mod(k) == rev for k, rev in expect.items()
-        ]
         # The client's transaction() drops the header, and with it the revision the
         # reads were taken at, which a watch must start after; so call the stub.
-        request = etcdrpc.TxnRequest(
-            compare=[c.build_message() for c in compares],
-            success=[self._op(op) for op in success],
-            failure=[self._op(op) for op in failure],
-        )
+        request = txn_request(expect, success, failure)
         response = self._failing_over(lambda: self._client.kvstub.Txn(
             request, self._timeout, credentials=self._client.call_credentials,
             metadata=self._client.metadata))
-        reads = [[_pb_kv(kv) for kv in r.response_range.kvs] for r in response.responses
-                 if r.WhichOneof("response") == "response_range"]
-        return TxnResult(bool(response.succeeded), int(response.header.revision), reads)
+        return txn_result(response)
 
     def _failing_over(self, call: Callable[[], T]) -> T:
         """A call on a stub of ours, handled like the client's own (get, put, ...).
@@ -323,15 +313,6 @@ class EtcdKV:
         except grpc.RpcError as exc:
             self._client._manage_grpc_errors(exc)
             raise
-
-    def _op(self, op: TxnOp) -> Any:
-        """etcd's request for one operation (the client's own ``Get`` has no limit)."""
-        if isinstance(op, Get):
-            end = etcd3.utils.prefix_range_end(op.key.encode()) if op.prefix else None
-            return etcdrpc.RequestOp(request_range=self._client._build_get_range_request(
-                op.key, end, limit=op.limit or None))
-        return etcdrpc.RequestOp(request_put=self._client._build_put_request(
-            op.key, op.value, op.lease))
 
     @_translated
     def delete(self, key: str) -> bool:
@@ -387,7 +368,7 @@ class EtcdKV:
             if isinstance(response, Exception):
                 callback(None)
                 return
-            callback([Change(_pb_kv(event._event.kv),
+            callback([Change(pb_kv(event._event.kv),
                              isinstance(event, etcd3.events.DeleteEvent))
                       for event in response.events])
 
@@ -441,7 +422,42 @@ def _channel_credentials(auth: EtcdAuth) -> grpc.ChannelCredentials:
     )
 
 
-def _pb_kv(kv: Any) -> KeyValue:
+def txn_request(expect: dict[str, int], success: Sequence[TxnOp],
+                failure: Sequence[TxnOp] = ()) -> Any:
+    """etcd's ``TxnRequest`` for :meth:`KVStore.txn` (shared with etcd_aio.py).
+
+    A compare on revision 0 means "absent" (version 0), any other on the key's
+    mod_revision.
+    """
+    compares = [
+        etcdrpc.Compare(key=key.encode(), result=etcdrpc.Compare.EQUAL,
+                        target=etcdrpc.Compare.VERSION, version=0) if rev == 0 else
+        etcdrpc.Compare(key=key.encode(), result=etcdrpc.Compare.EQUAL,
+                        target=etcdrpc.Compare.MOD, mod_revision=rev)
+        for key, rev in expect.items()
+    ]
+    return etcdrpc.TxnRequest(compare=compares, success=[_request_op(op) for op in success],
+                              failure=[_request_op(op) for op in failure])
+
+
+def _request_op(op: TxnOp) -> Any:
+    """etcd's request for one operation (the client's own ``Get`` has no limit)."""
+    if isinstance(op, Get):
+        end = etcd3.utils.prefix_range_end(op.key.encode()) if op.prefix else b""
+        return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+            key=op.key.encode(), range_end=end, limit=op.limit))
+    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
+        key=op.key.encode(), value=op.value, lease=op.lease or 0))
+
+
+def txn_result(response: Any) -> TxnResult:
+    """A :class:`TxnResult` from etcd's ``TxnResponse``: one list per read, in order."""
+    reads = [[pb_kv(kv) for kv in r.response_range.kvs] for r in response.responses
+             if r.WhichOneof("response") == "response_range"]
+    return TxnResult(bool(response.succeeded), int(response.header.revision), reads)
+
+
+def pb_kv(kv: Any) -> KeyValue:
     """A KeyValue from etcd's own protobuf record (a range or watch result)."""
     return KeyValue(key=kv.key.decode(), value=bytes(kv.value), mod_revision=int(kv.mod_revision),
                     create_revision=int(kv.create_revision), lease=int(kv.lease))

@@ -46,6 +46,30 @@ TxnOp = Put | Get
 
 
 @dataclass(frozen=True, slots=True)
+class TxnRequest:
+    """One :meth:`KVStore.txn`, built apart from sending it.
+
+    The rendezvous builds its transactions as data (registry.py) so that the same
+    request is sent by the agent's blocking client and by an asyncio one
+    (elastic_rt/rendezvous/etcd_aio.py, the swarm simulator's): one protocol, two
+    ways to carry it.
+    """
+
+    expect: dict[str, int]
+    success: tuple[TxnOp, ...]
+    failure: tuple[TxnOp, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PutIf:
+    """One :meth:`KVStore.put_if`, built apart from sending it (see :class:`TxnRequest`)."""
+
+    key: str
+    value: bytes
+    expect: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
 class TxnResult:
     succeeded: bool
     """Whether every comparison held (the success branch ran)."""

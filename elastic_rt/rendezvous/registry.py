@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from elastic_rt.errors import FencedOutError
-from elastic_rt.rendezvous.kv import Get, KeyValue, KVStore, Put
+from elastic_rt.rendezvous.kv import Get, KeyValue, KVStore, Put, PutIf, TxnRequest, TxnResult
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
 from elastic_rt.root_cause import RootCause
 
@@ -68,6 +68,30 @@ def node_from(item: KeyValue) -> NodeInfo:
     return NodeInfo.from_json(item.value, joined_revision=item.create_revision, lease=item.lease)
 
 
+_decoded: dict[int, tuple[bytes, Round]] = {}
+
+
+def decoded_round(value: bytes, token: int) -> Round:
+    """The round stored as ``value`` at revision ``token``, decoded once per process.
+
+    An agent holds one node and decodes each new round once, as without the cache.
+    The swarm simulator holds hundreds of nodes per process, and each of them gets
+    the same round from its own watch: decoding a 1024-member round for every one
+    of them cost its process more CPU than etcd needed for the whole round
+    (issue 15), while on real machines each node decodes it once on its own CPU,
+    in parallel. ``Round`` is frozen, so the nodes can share the one decoded. Looked
+    up by revision, then compared byte for byte (cheaper than hashing the value).
+    """
+    held = _decoded.get(token)
+    if held is not None and held[0] == value:
+        return held[1]
+    round_ = Round.from_json(value, token=token)
+    if len(_decoded) >= 4:
+        _decoded.pop(next(iter(_decoded)))
+    _decoded[token] = (value, round_)
+    return round_
+
+
 def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
                   nodes: Mapping[str, NodeInfo] | None = None) -> Snapshot:
     """Decode a run's keys (names relative to its prefix) into a :class:`Snapshot`.
@@ -82,8 +106,7 @@ def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
     closed = items.get(CLOSED)
     alarm = items.get(ALARM)
     return Snapshot(
-        round=(Round.from_json(round_kv.value, token=round_kv.mod_revision)
-               if round_kv else None),
+        round=decoded_round(round_kv.value, round_kv.mod_revision) if round_kv else None,
         nodes=nodes,
         closed=closed.value.decode() if closed else None,
         completing=COMPLETING in items,
@@ -93,16 +116,64 @@ def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
     )
 
 
-class RunRegistry:
-    """The keys of one run on a :class:`KVStore`."""
+class RunRequests:
+    """The keys of one run, and the rendezvous's calls on them built as data.
 
-    def __init__(self, kv: KVStore, run_id: str) -> None:
-        self.kv = kv
+    Each call is built (``*_request``) and its answer read (:meth:`joined`,
+    :meth:`proposed`) here, with no client: :class:`RunRegistry` sends them
+    blocking (the agent's), agents/run_watch_aio.py on an asyncio client (the swarm
+    simulator's), so a thousand simulated nodes send the agent's very transactions.
+    """
+
+    def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.prefix = f"/elastic_rt/{run_id}/"
 
     def key(self, name: str) -> str:
         return self.prefix + name
+
+    def join_request(self, info: NodeInfo, lease: int) -> TxnRequest:
+        """The transaction of :meth:`RunRegistry.join`."""
+        register = Put(self.key(f"nodes/{info.node_id}"), info.to_json(), lease)
+        return self._claim_request(info.node_id, lease, (register,))
+
+    def claim_request(self, node_id: str, lease: int, *, held: int = 0) -> TxnRequest:
+        """The transaction of :meth:`RunRegistry.claim_leadership`."""
+        return self._claim_request(node_id, lease, (), held=held)
+
+    def _claim_request(self, node_id: str, lease: int, writes: tuple[Put, ...], *,
+                       held: int = 0) -> TxnRequest:
+        leader = self.key(LEADER)
+        return TxnRequest(
+            {leader: held},
+            (Put(leader, node_id.encode(), lease), *writes, Get(self.prefix, prefix=True)),
+            (*writes, Get(self.key(FOLLOWED), prefix=True)),
+        )
+
+    def joined(self, result: TxnResult) -> Joined:
+        """What a join or claim transaction's answer says (names relative to the prefix)."""
+        items = {kv.key[len(self.prefix):]: kv for read in result.reads for kv in read}
+        return Joined(result.succeeded, result.revision, items)
+
+    def propose_request(self, proposal: Propose) -> PutIf:
+        """The compare-and-put of :meth:`RunRegistry.propose`: on the round it saw."""
+        return PutIf(self.key(ROUND), proposal.round.to_json(),
+                     {self.key(ROUND): proposal.expected_token})
+
+    @staticmethod
+    def proposed(proposal: Propose, token: int | None) -> Round | None:
+        """The round written at ``token``; None (no token) when another proposer won."""
+        if token is None:
+            return None
+        return dataclasses.replace(proposal.round, token=token)
+
+
+class RunRegistry(RunRequests):
+    """The keys of one run on a :class:`KVStore`."""
+
+    def __init__(self, kv: KVStore, run_id: str) -> None:
+        super().__init__(run_id)
+        self.kv = kv
 
     # membership ---------------------------------------------------------------
     def register(self, info: NodeInfo, lease: int) -> None:
@@ -148,14 +219,14 @@ class RunRegistry:
                               for kv in self.kv.get_prefix(self.prefix)})
 
     # one transaction to register, claim the leadership if free, and read ----------
+    # (built and read by RunRequests, sent here)
     def join(self, info: NodeInfo, lease: int) -> Joined:
         """Register ``info`` on ``lease``; become leader if there is none.
 
         One round trip: the leader gets the whole run (registrations included), a
         follower only the keys under :data:`FOLLOWED`, as of the same revision.
         """
-        register = Put(self.key(f"nodes/{info.node_id}"), info.to_json(), lease)
-        return self._claim(info.node_id, lease, [register])
+        return self.joined(self._send(self.join_request(info, lease)))
 
     def claim_leadership(self, node_id: str, lease: int, *, held: int = 0) -> Joined:
         """Take the leader key if it is free (the leader's lease ended).
@@ -163,17 +234,10 @@ class RunRegistry:
         ``held``: the leader key's revision when this node holds it and reads the run
         afresh (its watch broke); the claim then succeeds while the key is still its own.
         """
-        return self._claim(node_id, lease, [], held=held)
+        return self.joined(self._send(self.claim_request(node_id, lease, held=held)))
 
-    def _claim(self, node_id: str, lease: int, writes: list[Put], *, held: int = 0) -> Joined:
-        leader = self.key(LEADER)
-        result = self.kv.txn(
-            {leader: held},
-            [Put(leader, node_id.encode(), lease), *writes, Get(self.prefix, prefix=True)],
-            [*writes, Get(self.key(FOLLOWED), prefix=True)],
-        )
-        items = {kv.key[len(self.prefix):]: kv for read in result.reads for kv in read}
-        return Joined(result.succeeded, result.revision, items)
+    def _send(self, request: TxnRequest) -> TxnResult:
+        return self.kv.txn(request.expect, request.success, request.failure)
 
     def current_round(self) -> Round | None:
         item = self.kv.get(self.key(ROUND))
@@ -181,14 +245,9 @@ class RunRegistry:
 
     def propose(self, proposal: Propose) -> Round | None:
         """Write the proposed round; None when another proposer won."""
-        token = self.kv.put_if(
-            self.key(ROUND),
-            proposal.round.to_json(),
-            expect={self.key(ROUND): proposal.expected_token},
-        )
-        if token is None:
-            return None
-        return dataclasses.replace(proposal.round, token=token)
+        write = self.propose_request(proposal)
+        return self.proposed(proposal, self.kv.put_if(write.key, write.value,
+                                                      expect=write.expect))
 
     # the round's c10d store ----------------------------------------------------
     def publish_store(self, round_: Round, address: str) -> None:

@@ -2,15 +2,17 @@
 
 elastic-rt's nodes run in a swarm (agents/swarm.py): every node is a coroutine with
 its own lease, key and keep-alive that runs the agent's own code path (it follows the
-run through agents/run_watch.py and decides with agents/policy.py, as
-agents/agent.py does), and its etcd calls go through a few shared clients in each of
-``--processes`` slices (agents/swarm_slice.py), so 1024 nodes fit on two cores. Each
-phase is timed from its event (all nodes start; one node's lease is revoked, as an
-agent evicts a peer whose liveness socket refuses; one node starts) to every node
-holding the new round. Operations are the calls the nodes send (by kind; watch
-events pushed by etcd apart), retries are calls etcd failed and proposals that lost
-the compare, etcd's request rate comes from its own /metrics and its CPU from its
-process. The run fails (exit 2) when the harness was the bottleneck.
+run through agents/run_copy.py, sends the registry's requests and decides with
+agents/policy.py, as agents/agent.py does), and its etcd calls go out over a few
+shared grpc.aio channels from the event loop of each of ``--processes`` slices
+(agents/swarm_slice.py), so 1024 nodes fit on two cores. Each phase is timed from
+its event (all nodes start; one node's lease is revoked, as an agent evicts a peer
+whose liveness socket refuses; one node starts) to every node holding the new round.
+Operations are the calls the nodes send (by kind; watch events pushed by etcd apart),
+retries are calls etcd failed and proposals that lost the compare, etcd's request
+rate comes from its own /metrics and its CPU from its threads. The run fails (exit 2)
+when the harness was the bottleneck (a late event loop, a slice at its GIL's limit,
+or the harness and etcd together saturating the machine).
 
 torch: every node is a thread with a TCPStore client and a DynamicRendezvousHandler
 over the c10d backend, counted at its store calls (scripts/bench/_torch_c10d.py), each
@@ -39,12 +41,10 @@ if TYPE_CHECKING:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128])
-    parser.add_argument("--processes", type=int, default=4,
-                        help="swarm slices, each a process with its own clients and threads")
+    parser.add_argument("--processes", type=int, default=2,
+                        help="swarm slices, each a process with its own event loop and channels")
     parser.add_argument("--clients", type=int, default=32,
                         help="shared etcd channels per slice")
-    parser.add_argument("--workers", type=int, default=64,
-                        help="threads for blocking calls per slice")
     parser.add_argument("--torch-max", type=int, default=128)
     parser.add_argument("--torch-timeout", type=float, default=60.0)
     args = parser.parse_args()
@@ -56,7 +56,7 @@ def main() -> None:
     with EtcdServer() as etcd:
         for n in args.nodes:
             report = run_swarm(etcd.endpoint, n, processes=args.processes,
-                               clients=args.clients, workers=args.workers, etcd_pid=etcd.pid)
+                               clients=args.clients, etcd_pid=etcd.pid)
             reports[("agent", n)] = report
             _print_details(f"agent n={n}", report)
             print(f"load average: {_load()}", flush=True)
@@ -80,7 +80,8 @@ def _print_details(label: str, report: SwarmReport) -> None:
         ops = {k: v for k, v in sorted(phase.ops.items())}
         print(f"{label:<16} {phase.name:<7} {phase.seconds:6.2f} s  ops {ops}  retries "
               f"{phase.retries}  etcd {phase.etcd_rate:.0f} req/s {_int(phase.etcd)} "
-              f"cpu {phase.etcd_cpu or 0:.2f} fsyncs {phase.fsyncs[0]} "
+              f"cpu {phase.etcd_cpu or 0:.2f} (waited {phase.etcd_cpu_wait * 1000:.0f} ms) "
+              f"harness cpu {phase.harness_cpu:.2f} fsyncs {phase.fsyncs[0]} "
               f"({1000 * phase.fsyncs[1] / max(1, phase.fsyncs[0]):.1f} ms each)  "
               + " ".join(f"{k} {v:.2f} s" for k, v in phase.milestones.items()))
     print(f"{label:<16} keep-alives {report.lease_refresh_per_s:.0f}/s; "

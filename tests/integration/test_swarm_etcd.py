@@ -44,7 +44,7 @@ def test_a_new_leader_takes_over_when_the_leader_dies(etcd_server: EtcdServer) -
 
 
 async def _leader_dies(endpoint: str) -> None:
-    swarm = Swarm(endpoint, f"swarm-{uuid.uuid4().hex[:8]}", clients=2, workers=8)
+    swarm = Swarm(endpoint, f"swarm-{uuid.uuid4().hex[:8]}", clients=2)
     limits = Limits(min_nodes=3, max_nodes=6, last_call=30.0)
     nodes = [SwarmNode(swarm, f"n{i}", limits) for i in range(6)]
     try:
@@ -60,7 +60,7 @@ async def _leader_dies(endpoint: str) -> None:
         assert sum(1 for n in rest if n.watch.is_leader) == 1
     finally:
         await asyncio.gather(*(node.stop() for node in nodes))
-        swarm.close()
+        await swarm.close()
 
 
 async def _agreed(nodes: list[SwarmNode], predicate: Callable[[Round], bool]) -> Round:
