@@ -10,9 +10,14 @@ its event (all nodes start; one node's lease is revoked, as an agent evicts a pe
 whose liveness socket refuses; one node starts) to every node holding the new round.
 Operations are the calls the nodes send (by kind; watch events pushed by etcd apart),
 retries are calls etcd failed and proposals that lost the compare, etcd's request
-rate comes from its own /metrics and its CPU from its threads. The run fails (exit 2)
-when the harness was the bottleneck (a late event loop, a slice at its GIL's limit,
-or the harness and etcd together saturating the machine).
+rate comes from its own /metrics and its CPU from its threads.
+
+Every target is judged from the figures. A run where the harness may have set the pace (a
+late event loop, a slice at its GIL's limit, or the harness and etcd together saturating the
+machine) says so loudly: its figures are upper bounds, since the harness can only add time
+(it takes CPU from etcd; it never answers for it). So a target such a run meets is met, and
+one it misses cannot be judged. Exit 0: every target met; 1: a target missed by a run that
+was not harness-bound; 2: a target missed by a harness-bound run.
 
 torch: every node is a thread with a TCPStore client and a DynamicRendezvousHandler
 over the c10d backend, counted at its store calls (scripts/bench/_torch_c10d.py), each
@@ -69,10 +74,44 @@ def main() -> None:
             if trial.joined < n:  # larger ones would not finish either
                 break
     _print_table(reports, torch_trials)
-    bound = [f"{key}: {r.load.verdict()}" for key, r in reports.items() if r.load.verdict()]
-    if bound:
-        print(f"HARNESS-BOUND, figures not etcd's: {bound}", file=sys.stderr)
-        raise SystemExit(2)
+    raise SystemExit(_judge(reports))
+
+
+FORM_TARGET_S = {128: 1.0, 256: 1.5, 1024: 3.0}
+LOSE_TARGET_S = {1024: 2.0}
+CALLS_PER_NODE = 3.0
+"""Per node and round; the round's own one write (by the leader) comes on top: 3 + 1/N."""
+
+
+def _judge(reports: dict[tuple[str, int], SwarmReport]) -> int:
+    """Print each target's outcome and the harness's verdict; the exit status (see above)."""
+    missed, bound = [], []
+    for (_, n), report in reports.items():
+        form, lose = report.phases[0], report.phases[1]
+        checks = [(f"form {n} <= {FORM_TARGET_S[n]} s", form.seconds <= FORM_TARGET_S[n], True)
+                  ] if n in FORM_TARGET_S else []
+        if n in LOSE_TARGET_S:
+            checks.append((f"lose 1 at {n} <= {LOSE_TARGET_S[n]} s",
+                           lose.seconds <= LOSE_TARGET_S[n], True))
+        checks.append((f"calls per node at {n} <= {CALLS_PER_NODE:g} (+1/N)",
+                       form.per_node() <= CALLS_PER_NODE + 1 / n + 1e-9, False))
+        verdict = report.load.verdict()
+        if verdict:
+            bound.append(n)
+            print(f"HARNESS-BOUND at {n} nodes: {verdict}; its figures are upper bounds",
+                  file=sys.stderr)
+        for name, met, timed in checks:
+            print(f"target {name}: {'met' if met else 'MISSED'}"
+                  + (" (by an upper bound)" if met and timed and verdict else ""))
+            if not met:
+                missed.append((n, name, timed))
+    if not missed:
+        return 0
+    if any(timed and n in bound for n, _, timed in missed):
+        print("a target was missed by a harness-bound run: etcd's own pace is unknown",
+              file=sys.stderr)
+        return 2
+    return 1
 
 
 def _print_details(label: str, report: SwarmReport) -> None:

@@ -1,8 +1,9 @@
 """The swarm's evidence about itself (agents/swarm.py): when its figures are not etcd's.
 
 A benchmark figure taken while the harness, not etcd, set the pace must be flagged
-(scripts/bench/rendezvous.py exits 2). These check each reason on its own, and the
-tally a phase waits on (which nodes hold the wanted round).
+(scripts/bench/rendezvous.py says so, and takes such a figure as an upper bound).
+These check each reason on its own, and the tally a phase waits on (which nodes
+hold the wanted round).
 """
 
 from __future__ import annotations
