@@ -38,6 +38,7 @@ from elastic_rt.process_groups import destroy_groups, init_groups
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.context import Context
 from elastic_rt.worker.replicated import StepOptions
+from elastic_rt.worker.allocator import SHARDED_TRIM_THRESHOLD_BYTES, pin_heap
 from elastic_rt.worker.sharded_trainer import ShardedTrainer
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers import Progress, Restoring
@@ -86,6 +87,7 @@ def timed_restore(trainer: ShardedTrainer, ctx: Context, ckpt: Checkpointer | No
 
 def main() -> None:
     args = parse_args()
+    pin_heap(trim_threshold_bytes=SHARDED_TRIM_THRESHOLD_BYTES)  # as run() does for FSDP
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # two "nodes" of two: copies go to the other pair
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
