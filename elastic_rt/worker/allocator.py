@@ -19,7 +19,9 @@ through its ``MALLOC_*`` variables or ``GLIBC_TUNABLES``:
   unmapped per collective in a ``pt_gloo_runloop`` thread), so every step faulted those
   pages in again: 5,000-18,000 minor faults a step per worker, varying with which rank's
   thread got which arena. On the main heap the trim threshold keeps them: 500-1,200
-  faults a step under FSDP, 2,800-4,300 (from 5,200-7,300) replicated. The training
+  faults a step under FSDP (1,100-1,600 in the bench, against glibc's default 9,000-37,000).
+  Replicated workers gain less: 2,800-4,300 against 5,200-7,300 in an A/B of 100 steps,
+  3,700-8,700 in the bench (other sources remain there). The training
   thread and the collectives' threads rarely allocate at once, so sharing the one arena's
   lock costs nothing measurable.
 - :class:`HeapTrimmer` returns the heap's free pages (``malloc_trim``) when the process
