@@ -16,9 +16,12 @@ around every call.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
+from agents import policy
+from agents.inbox import Inbox
 from elastic_rt.rendezvous.election import RunView
 from elastic_rt.rendezvous.kv import Change, KeyValue
 from elastic_rt.rendezvous.registry import ROUND, Joined
@@ -179,3 +182,15 @@ class RunCopy:
 def needs_registrations(snapshot: Snapshot) -> bool:
     """A follower's copy of a completing job: the decision needs who is registered."""
     return snapshot.completing and not snapshot.nodes_known
+
+
+def read_is_due(inbox: Inbox, state: policy.AgentState, settings: policy.Settings,
+                last_read: float) -> bool:
+    """Whether a decision needs the run read now (``last_read``: monotonic time of the last
+    read); if so the inbox's news counts as read. Both drivers (``RunWatch``,
+    ``AioRunWatch``) gate their reads on it, see :func:`agents.policy.should_read`."""
+    if not policy.should_read(state, dirty=inbox.dirty, since_read=time.monotonic() - last_read,
+                              settings=settings):
+        return False
+    inbox.mark_read()
+    return True

@@ -30,7 +30,7 @@ from typing import Callable
 
 from agents import policy
 from agents.inbox import Inbox
-from agents.run_copy import RunCopy, needs_registrations
+from agents.run_copy import RunCopy, needs_registrations, read_is_due
 from elastic_rt.errors import StoreError
 from elastic_rt.rendezvous.kv import Change
 from elastic_rt.rendezvous.registry import Joined, RunRegistry
@@ -125,11 +125,8 @@ class RunWatch:
         See :func:`agents.policy.should_read`: a node in a round that heard of no
         change decides on what it holds.
         """
-        since = time.monotonic() - self._last_read
-        if not policy.should_read(state, dirty=self.inbox.dirty, since_read=since,
-                                  settings=settings):
+        if not read_is_due(self.inbox, state, settings, self._last_read):
             return None, False
-        self.inbox.mark_read()
         try:
             snapshot = self._current(settings.retry_after.total_seconds())
         except StoreError as exc:

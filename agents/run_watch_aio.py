@@ -20,7 +20,7 @@ from typing import Callable
 
 from agents import policy
 from agents.inbox import Inbox
-from agents.run_copy import Cancel, RunCopy, needs_registrations
+from agents.run_copy import Cancel, RunCopy, needs_registrations, read_is_due
 from elastic_rt.errors import StoreError
 from elastic_rt.rendezvous.etcd_aio import AioEtcdKV
 from elastic_rt.rendezvous.kv import Change
@@ -96,11 +96,8 @@ class AioRunWatch:
     async def read(self, state: policy.AgentState, settings: policy.Settings
                    ) -> tuple[Snapshot | None, bool]:
         """As :meth:`RunWatch.read`."""
-        since = time.monotonic() - self._last_read
-        if not policy.should_read(state, dirty=self.inbox.dirty, since_read=since,
-                                  settings=settings):
+        if not read_is_due(self.inbox, state, settings, self._last_read):
             return None, False
-        self.inbox.mark_read()
         try:
             snapshot = await self._current(settings.retry_after.total_seconds())
         except StoreError as exc:
