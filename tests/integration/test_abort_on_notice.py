@@ -27,7 +27,9 @@ from tests.integration.launch_helpers import events, launch_args
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(420)]
 
 SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
-STEPS = 100
+STEPS = 250
+"""Enough that training outlasts d's fencing: a woken agent learns of it at its next lease
+renewal, up to TTL/4 = 7.5 s later (with 100 steps the job once finished first)."""
 LEASE_TTL = "30"
 """Far longer than any recovery here may take: the lease must not be what helps."""
 TEN_MINUTES = "600"
