@@ -12,9 +12,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Mapping
+from typing import Mapping, TypeVar
 
 from elastic_rt.errors import ConfigError
+
+_T = TypeVar("_T")
 
 # torchrun's variables, set for every worker.
 RANK_ENV = "RANK"
@@ -70,6 +72,15 @@ DEFAULT_REFORM_TIMEOUT = timedelta(seconds=120)
 DEFAULT_HEARTBEAT_INTERVAL = timedelta(seconds=0.1)
 DEFAULT_HEARTBEAT_MISSES = 4
 """A peer silent for 4 x 0.1 s is evicted; measured on a loaded box (agents/heartbeat.py)."""
+
+
+def first_given(*values: _T | None, default: _T) -> _T:
+    """The first value that is not None, else ``default``: the precedence above, applied.
+
+    Callers list the sources strongest first (a flag, then an environment variable or
+    torchrun's ``--rdzv-conf`` key).
+    """
+    return next((value for value in values if value is not None), default)
 
 
 def env_seconds(env: Mapping[str, str], name: str) -> timedelta | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_rt.cli import parse_endpoint
+from elastic_rt.cli.flags import parse_endpoint
 from elastic_rt.errors import ConfigError, StoreError
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import REPO, child_env, wait_until

@@ -16,7 +16,7 @@ from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.root_cause import RootCause
-from elastic_rt.status import show_status
+from elastic_rt.ops.status import show_status
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, launch_args
 

@@ -16,7 +16,7 @@ from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round
-from elastic_rt.status import show_status
+from elastic_rt.ops.status import show_status
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 

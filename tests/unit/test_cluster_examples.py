@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from elastic_rt import config as cfg
-from elastic_rt import torchrun_flags
-from elastic_rt.cli import _parser, parse_endpoint
+from elastic_rt.cli import torchrun_flags
+from elastic_rt.cli import build_parser
+from elastic_rt.cli.flags import parse_endpoint
 
 CLUSTER = Path(__file__).resolve().parents[2] / "scripts" / "cluster"
 SBATCH = CLUSTER / "slurm.sbatch"
@@ -98,14 +99,15 @@ def _expand_k8s(argv: list[str], env: dict[str, str] | None = None) -> list[str]
 
 
 def _launch_flags() -> set[str]:
-    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
     return set(commands.choices["launch"]._option_string_actions)
 
 
 def _validated(argv: list[str]) -> argparse.Namespace:
     """Parse with the real parser, then run the checks ``launch`` runs before starting."""
     try:
-        args = _parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit:
         pytest.fail(f"the CLI rejects: elastic-rt {shlex.join(argv)}")
     assert args.command == "launch"

@@ -6,7 +6,7 @@ import json
 
 from elastic_rt.rendezvous.kv import KeyValue
 from elastic_rt.root_cause import RootCause
-from elastic_rt.status import render, status_from_keys
+from elastic_rt.ops.status import render, status_from_keys
 
 CAUSE = RootCause(round=2, rank=3, node="node-b", host="10.0.0.2", time_ms=0, exitcode=1,
                   error="ValueError: bad", step=40,

@@ -9,8 +9,8 @@ import pytest
 
 from elastic_rt.errors import ConfigError, NoEventsError
 from elastic_rt.events import Event
-from elastic_rt.timeline import describe, duration_text, find_recoveries, load_events
-from elastic_rt.timeline_draw import draw, draw_timeline
+from elastic_rt.ops.timeline import describe, duration_text, find_recoveries, load_events
+from elastic_rt.ops.timeline_draw import draw, draw_timeline
 
 T0 = 1_700_000_000_000
 

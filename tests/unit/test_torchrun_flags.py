@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
-from elastic_rt import torchrun_flags as flags
-from elastic_rt.cli import _parser
+from elastic_rt.cli import build_parser
+from elastic_rt.cli import torchrun_flags as flags
+from elastic_rt.config import DEFAULT_JOIN_TIMEOUT
 from elastic_rt.errors import ConfigError
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "torchrun.md"
@@ -32,7 +33,8 @@ def _doc_rows() -> dict[str, str]:
 
 
 def _launch_parser() -> argparse.ArgumentParser:
-    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
     return commands.choices["launch"]  # type: ignore[no-any-return]
 
 
@@ -96,9 +98,13 @@ def test_rdzv_conf_sets_timeouts_and_names_the_known_keys() -> None:
 
 
 def test_our_timeout_flags_win_over_rdzv_conf_which_wins_over_the_default() -> None:
-    from elastic_rt.cli import _rdzv_seconds
+    from elastic_rt.cli.launch import agent_config
 
-    flag, conf, default = (timedelta(seconds=s) for s in (1, 2, 3))
-    assert _rdzv_seconds(flag, conf, default) == flag
-    assert _rdzv_seconds(None, conf, default) == conf
-    assert _rdzv_seconds(None, None, default) == default
+    def join_timeout(*flags_: str) -> timedelta:
+        args = _launch_parser().parse_args([*flags_, __file__])
+        return agent_config(args).rendezvous.join_timeout
+
+    conf = ["--rdzv-conf", "join_timeout=2"]
+    assert join_timeout("--join-timeout", "1", *conf) == timedelta(seconds=1)
+    assert join_timeout(*conf) == timedelta(seconds=2)
+    assert join_timeout() == DEFAULT_JOIN_TIMEOUT

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from elastic_rt.errors import ConfigError
 from elastic_rt.events import Event
-from elastic_rt.timeline import (
+from elastic_rt.ops.timeline import (
     PHASE_COLOURS,
     Recovery,
     duration_text,

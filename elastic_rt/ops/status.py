@@ -225,7 +225,7 @@ def _nodes(current: Round | None, registered: dict[str, NodeInfo]) -> list[NodeS
 def _with_events(status: RunStatus, path: str) -> RunStatus:
     from dataclasses import replace
 
-    from elastic_rt.timeline import describe, find_recoveries, load_events
+    from elastic_rt.ops.timeline import describe, find_recoveries, load_events
 
     events = [e for e in load_events([path]) if e.run_id in ("", status.run_id)]
     recoveries = find_recoveries(events)
