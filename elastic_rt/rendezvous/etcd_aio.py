@@ -39,7 +39,7 @@ import etcd3.utils  # noqa: E402
 from etcd3 import etcdrpc  # noqa: E402
 
 from elastic_rt.errors import StoreConnectionError  # noqa: E402
-from elastic_rt.rendezvous.etcd_kv import pb_kv, txn_request, txn_result  # noqa: E402
+from elastic_rt.rendezvous.etcd_messages import pb_kv, txn_request, txn_result  # noqa: E402
 from elastic_rt.rendezvous.kv import (  # noqa: E402
     Change,
     KeyValue,

@@ -1,9 +1,10 @@
-"""The KVStore protocol over the etcd v3 API (with etcd_aio.py, the only importer of ``etcd3``).
+"""The KVStore protocol over the etcd v3 API: the one blocking etcd client of the runtime.
 
 Every etcd or gRPC failure is translated here, keeping the cause (``from exc``):
 connection problems become :class:`StoreConnectionError` (retryable); a refused
 certificate, password or permission becomes :class:`CredentialsError` (a user
-mistake, printed as one line by the CLI).
+mistake, printed as one line by the CLI); the wording is ``etcd_errors``'s, the
+request messages ``etcd_messages``'s.
 
 Security: TLS with an optional client certificate, and etcd's user/password auth.
 The password is sent once per log-in and never logged; etcd's simple tokens die
@@ -17,7 +18,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Callable, Sequence, TypeVar, cast
+from typing import Any, Callable, Sequence, TypeVar
 
 # gRPC's core logs an INFO line at every fork (the agent forks workers); keep errors only.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -32,14 +33,11 @@ from etcd3 import etcdrpc  # noqa: E402
 import grpc  # noqa: E402
 import six  # noqa: E402
 
-from elastic_rt.config import ETCD_PASSWORD_ENV, EtcdAuth  # noqa: E402
-from elastic_rt.errors import (  # noqa: E402
-    ConfigError,
-    CredentialsError,
-    ElasticError,
-    StoreConnectionError,
-)
-from elastic_rt.rendezvous.kv import Change, Get, KeyValue, TxnOp, TxnResult  # noqa: E402
+from elastic_rt.config import EtcdAuth  # noqa: E402
+from elastic_rt.errors import ConfigError, ElasticError, StoreConnectionError  # noqa: E402
+from elastic_rt.rendezvous.etcd_errors import SECURITY_GUIDE, translate  # noqa: E402
+from elastic_rt.rendezvous.etcd_messages import pb_kv, txn_request, txn_result  # noqa: E402
+from elastic_rt.rendezvous.kv import Change, KeyValue, TxnOp, TxnResult  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +48,6 @@ if not hasattr(etcd3.watch, "six"):
     etcd3.watch.six = six
 
 T = TypeVar("T")
-_SECURITY_GUIDE = "docs/etcd-security.md"
-# TLS alerts a server sends when it does not accept our client certificate.
-_CLIENT_CERT_ALERTS = ("BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "UNKNOWN_CA")
 
 
 def _translated(method: Callable[..., T]) -> Callable[..., T]:
@@ -75,7 +70,7 @@ def _translated(method: Callable[..., T]) -> Callable[..., T]:
         except ElasticError:
             raise
         except (grpc.RpcError, etcd3.exceptions.Etcd3Exception, ValueError) as exc:
-            raise self._translate(exc, what) from exc
+            raise translate(exc, what, endpoint=self.endpoint, auth=self._auth) from exc
 
     return wrapper
 
@@ -116,7 +111,7 @@ class EtcdKV:
             logger.warning(
                 "sending the etcd password of %s without TLS; see %s",
                 self._auth.user,
-                _SECURITY_GUIDE,
+                SECURITY_GUIDE,
             )
         # The client benches an endpoint for 300 s after one failed call by default. With a
         # single endpoint that turns an etcd restart of a second into five minutes of
@@ -163,7 +158,7 @@ class EtcdKV:
                     )
                     self._needs_login = False
                     return
-                raise self._translate(exc, "log-in") from exc
+                raise translate(exc, "log-in", endpoint=self.endpoint, auth=self._auth) from exc
             token = response.token
             self._client.metadata = (("token", token),)
             # Call credentials are refused on a plaintext channel; the metadata carries
@@ -182,64 +177,6 @@ class EtcdKV:
             return False
         details = (exc.details() if hasattr(exc, "details") else None) or ""
         return "invalid auth token" in details or "auth store is old" in details
-
-    def _translate(self, exc: BaseException, what: str) -> ElasticError:
-        """One line that names the cause, for a gRPC error or an etcd3 wrapper of one."""
-        rpc = exc if isinstance(exc, grpc.RpcError) else exc.__context__
-        has_code = isinstance(rpc, grpc.RpcError) and hasattr(rpc, "code")
-        call = cast(grpc.Call, rpc) if has_code else None
-        code = call.code() if call is not None else None
-        details = (call.details() or "") if call is not None and code is not None else str(exc)
-        short = _short(details)
-        user = self._auth.user
-        refused = self._tls_refusal(details) if "handshake failed" in details.lower() else None
-        if refused is not None:
-            return refused
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            fix = (
-                f"Grant etcd user {user!r} readwrite on its run's prefix /elastic_rt/<run_id>/ "
-                f"({_SECURITY_GUIDE})."
-                if user
-                else f"Pass --etcd-user (password in {ETCD_PASSWORD_ENV}) or a client certificate "
-                f"whose CN is an etcd user ({_SECURITY_GUIDE})."
-            )
-            return CredentialsError(f"etcd at {self.endpoint} denied {what}: {short}", fix)
-        if code == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in details:
-            return CredentialsError(
-                f"etcd at {self.endpoint} rejected user {user!r}: wrong user name or password",
-                f"Check --etcd-user and {ETCD_PASSWORD_ENV}.",
-            )
-        if code == grpc.StatusCode.INVALID_ARGUMENT and "user name is empty" in details:
-            return CredentialsError(
-                f"etcd at {self.endpoint} requires authentication",
-                f"Pass --etcd-user with {ETCD_PASSWORD_ENV}, or a client certificate "
-                f"({_SECURITY_GUIDE}).",
-            )
-        if "Socket closed" in details or "Handshake read failed" in details:
-            # What a TLS/plaintext mismatch looks like; an etcd restart shows it briefly too.
-            short += (
-                " (does etcd serve TLS there? We speak TLS)"
-                if self._auth.is_tls
-                else " (if etcd serves TLS there, use etcds:// or --etcd-cacert)"
-            )
-        return StoreConnectionError(f"etcd at {self.endpoint} failed on {what}: {short}")
-
-    def _tls_refusal(self, details: str) -> CredentialsError | None:
-        """A handshake that failed over certificates; None for a torn connection (retryable)."""
-        if "CERTIFICATE_VERIFY_FAILED" in details:
-            trusted = self._auth.cacert or "the system's CA bundle"
-            return CredentialsError(
-                f"etcd at {self.endpoint} presented a TLS certificate that {trusted} "
-                "does not trust",
-                "Pass the CA that signed etcd's certificate as --etcd-cacert.",
-            )
-        if any(alert in details for alert in _CLIENT_CERT_ALERTS):
-            given = "" if self._auth.cert else " (none was given)"
-            return CredentialsError(
-                f"etcd at {self.endpoint} refused our TLS client certificate{given}",
-                "Pass --etcd-cert and --etcd-key signed by a CA in etcd's --trusted-ca-file.",
-            )
-        return None
 
     # KVStore ----------------------------------------------------------------------
     @staticmethod
@@ -420,56 +357,6 @@ def _channel_credentials(auth: EtcdAuth) -> grpc.ChannelCredentials:
         private_key=contents["--etcd-key"],
         certificate_chain=contents["--etcd-cert"],
     )
-
-
-def txn_request(expect: dict[str, int], success: Sequence[TxnOp],
-                failure: Sequence[TxnOp] = ()) -> Any:
-    """etcd's ``TxnRequest`` for :meth:`KVStore.txn` (shared with etcd_aio.py).
-
-    A compare on revision 0 means "absent" (version 0), any other on the key's
-    mod_revision.
-    """
-    compares = [
-        etcdrpc.Compare(key=key.encode(), result=etcdrpc.Compare.EQUAL,
-                        target=etcdrpc.Compare.VERSION, version=0) if rev == 0 else
-        etcdrpc.Compare(key=key.encode(), result=etcdrpc.Compare.EQUAL,
-                        target=etcdrpc.Compare.MOD, mod_revision=rev)
-        for key, rev in expect.items()
-    ]
-    return etcdrpc.TxnRequest(compare=compares, success=[_request_op(op) for op in success],
-                              failure=[_request_op(op) for op in failure])
-
-
-def _request_op(op: TxnOp) -> Any:
-    """etcd's request for one operation (the client's own ``Get`` has no limit)."""
-    if isinstance(op, Get):
-        end = etcd3.utils.prefix_range_end(op.key.encode()) if op.prefix else b""
-        return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
-            key=op.key.encode(), range_end=end, limit=op.limit))
-    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
-        key=op.key.encode(), value=op.value, lease=op.lease or 0))
-
-
-def txn_result(response: Any) -> TxnResult:
-    """A :class:`TxnResult` from etcd's ``TxnResponse``: one list per read, in order."""
-    reads = [[pb_kv(kv) for kv in r.response_range.kvs] for r in response.responses
-             if r.WhichOneof("response") == "response_range"]
-    return TxnResult(bool(response.succeeded), int(response.header.revision), reads)
-
-
-def pb_kv(kv: Any) -> KeyValue:
-    """A KeyValue from etcd's own protobuf record (a range or watch result)."""
-    return KeyValue(key=kv.key.decode(), value=bytes(kv.value), mod_revision=int(kv.mod_revision),
-                    create_revision=int(kv.create_revision), lease=int(kv.lease))
-
-
-def _short(details: str) -> str:
-    """The useful tail of a gRPC message, on one line."""
-    text = " ".join(details.split())
-    if "last error:" in text:
-        text = text.rsplit("last error:", 1)[1].strip()
-    text = text.removeprefix("etcdserver: ").removesuffix(": OK")
-    return text[:200]
 
 
 class _Token(grpc.AuthMetadataPlugin):
