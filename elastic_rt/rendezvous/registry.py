@@ -77,8 +77,8 @@ def decoded_round(value: bytes, token: int) -> Round:
     An agent holds one node and decodes each new round once, as without the cache.
     The swarm simulator holds hundreds of nodes per process, and each of them gets
     the same round from its own watch: decoding a 1024-member round for every one
-    of them cost its process more CPU than etcd needed for the whole round
-    (issue 15), while on real machines each node decodes it once on its own CPU,
+    of them cost its process more CPU than etcd needed for the whole round,
+    while on real machines each node decodes it once on its own CPU,
     in parallel. ``Round`` is frozen, so the nodes can share the one decoded. Looked
     up by revision, then compared byte for byte (cheaper than hashing the value).
     """
