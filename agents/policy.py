@@ -3,7 +3,7 @@
 The agent (``agents/agent.py``) observes (a snapshot of the run, its workers' state,
 their acknowledgements, the clock) and calls :func:`decide`, which answers with the
 node's next :class:`AgentState` and the actions to carry out, in order. The
-simulated nodes of the rendezvous tests and benchmark (``agents/simulated.py``)
+simulated nodes of the rendezvous tests and benchmark (``agents/sim/simulated.py``)
 run the same function with no workers. Like :mod:`elastic_rt.rendezvous.rounds`,
 nothing here sleeps, reads a clock, touches etcd or starts a process, so every
 rule is a unit test (tests/unit/test_agent_policy.py).

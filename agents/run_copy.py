@@ -6,7 +6,7 @@ events still count, when a read must ask etcd first (a broken watch, a vanished
 leader), what a claim's answer changes and what a proposal leaves behind, are here,
 as plain methods on plain data. The calls to etcd are the drivers': the agent's
 :class:`agents.run_watch.RunWatch` makes them blocking on its own client, and the
-swarm simulator's :class:`agents.run_watch_aio.AioRunWatch` makes the same ones on
+swarm simulator's :class:`agents.sim.run_watch_aio.AioRunWatch` makes the same ones on
 an asyncio client, so that a thousand simulated nodes run this very code
 (issue 15) without a thread each.
 

@@ -14,11 +14,11 @@ read again only when the copy cannot be trusted:
 - the job is completing: a follower reads the registrations once per decision,
   because :func:`agents.policy.finished_without_us` needs to know who is left.
 
-Shared by the agent (agents/agent.py) and the simulated nodes (agents/simulated.py).
+Shared by the agent (agents/agent.py) and the simulated nodes (agents/sim/simulated.py).
 What the copy decides is :class:`agents.run_copy.RunCopy`, without IO; this class
-makes its etcd calls, blocking. The swarm simulator (agents/swarm.py) drives the same
+makes its etcd calls, blocking. The swarm simulator (agents/sim/swarm.py) drives the same
 :class:`~agents.run_copy.RunCopy` and the same registry requests over asyncio
-(agents/run_watch_aio.py), so the benchmark counts the calls an agent makes.
+(agents/sim/run_watch_aio.py), so the benchmark counts the calls an agent makes.
 """
 
 from __future__ import annotations

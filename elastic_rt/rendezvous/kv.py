@@ -51,7 +51,7 @@ class TxnRequest:
 
     The rendezvous builds its transactions as data (registry.py) so that the same
     request is sent by the agent's blocking client and by an asyncio one
-    (elastic_rt/rendezvous/etcd_aio.py, the swarm simulator's): one protocol, two
+    (agents/sim/etcd_aio.py, the swarm simulator's): one protocol, two
     ways to carry it.
     """
 

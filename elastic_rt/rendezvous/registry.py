@@ -121,7 +121,7 @@ class RunRequests:
 
     Each call is built (``*_request``) and its answer read (:meth:`joined`,
     :meth:`proposed`) here, with no client: :class:`RunRegistry` sends them
-    blocking (the agent's), agents/run_watch_aio.py on an asyncio client (the swarm
+    blocking (the agent's), agents/sim/run_watch_aio.py on an asyncio client (the swarm
     simulator's), so a thousand simulated nodes send the agent's very transactions.
     """
 

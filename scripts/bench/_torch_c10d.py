@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from elastic_rt.testing import OpCounter
+from agents.sim.counting import OpCounter
 
 _GRACE_S = 30.0
 """Seconds past its deadline a trial may take to answer before it is killed."""

@@ -1,6 +1,6 @@
 """Rendezvous against a real etcd: many simulated nodes (threads) in one process.
 
-Each :class:`~agents.simulated.SimulatedNode` has its own etcd client and lease
+Each :class:`~agents.sim.simulated.SimulatedNode` has its own etcd client and lease
 keeper and runs the agent's own decisions (agents/policy.py); only the workers are missing.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from agents.simulated import SimulatedNode, start_nodes, stop_nodes
+from agents.sim.simulated import SimulatedNode, start_nodes, stop_nodes
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import WaitTimeout, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV

@@ -1,7 +1,7 @@
-"""The elected rendezvous on a real etcd, through the swarm simulator (agents/swarm*.py).
+"""The elected rendezvous on a real etcd, through the swarm simulator (agents/sim/swarm*.py).
 
 The swarm's nodes follow the run through the agent's own RunWatch (agents/run_watch.py),
-spread over slice processes (agents/swarm_slice.py) whose counts and rounds are merged.
+spread over slice processes (agents/sim/swarm_slice.py) whose counts and rounds are merged.
 
 Many coroutine nodes share a few etcd clients but each has its own lease, key and
 watch, and runs the agent's decisions. These check the protocol's guarantees (one
@@ -18,8 +18,8 @@ from typing import Callable
 
 import pytest
 
-from agents.swarm import Swarm, SwarmNode
-from agents.swarm_run import run_swarm
+from agents.sim.swarm import Swarm, SwarmNode
+from agents.sim.swarm_run import run_swarm
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.rendezvous.rounds import Limits, Round
 

@@ -1,4 +1,4 @@
-"""The swarm's asyncio etcd client (elastic_rt/rendezvous/etcd_aio.py) on the session etcd.
+"""The swarm's asyncio etcd client (agents/sim/etcd_aio.py) on the session etcd.
 
 What the benchmark's figures rest on: the registry's transactions and compare-and-puts
 answer as through the agent's blocking client, every call is counted under the
@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 import pytest
 
 from elastic_rt.etcd_server import EtcdServer
-from elastic_rt.rendezvous.etcd_aio import AioEtcdKV
+from agents.sim.etcd_aio import AioEtcdKV
 from elastic_rt.rendezvous.kv import Change, PutIf
 from elastic_rt.rendezvous.registry import RunRequests
 from elastic_rt.rendezvous.rounds import NodeInfo

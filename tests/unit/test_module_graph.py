@@ -71,3 +71,55 @@ def test_the_agent_side_reaches_no_torch_importing_module() -> None:
     paths = _modules()
     torch_users = {m for m in reached if "import torch" in paths[m].read_text()}
     assert not torch_users, sorted(torch_users)
+
+
+def _every_import(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (lazy imports inside functions too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+    return found
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+# What only the simulator, the test harness and the tests themselves may import.
+_OFF_LIMITS = ("agents.sim", "elastic_rt.harness", "tests")
+
+
+def test_the_product_imports_no_simulator_harness_or_test_module() -> None:
+    """The simulator (agents.sim) serves the benchmark and its tests; the product never
+    reaches it, nor the test harness, nor tests/ (the harness may import itself)."""
+    wrong = []
+    for name, path in _modules().items():
+        if _within(name, "agents.sim"):
+            continue
+        own = next((p for p in _OFF_LIMITS if _within(name, p)), None)
+        for target in _every_import(path):
+            banned = next((p for p in _OFF_LIMITS if _within(target, p)), None)
+            if banned is not None and banned != own:
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_library_imports_agents_only_from_the_cli() -> None:
+    wrong = [f"{name} imports {target}"
+             for name, path in _modules().items()
+             if _within(name, "elastic_rt") and not name.startswith("elastic_rt.cli")
+             for target in _every_import(path) if _within(target, "agents")]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_etcd_and_grpc_are_imported_by_the_etcd_seam_and_the_simulator_only() -> None:
+    """The product's one etcd seam is etcd_kv (with its message and error modules); the
+    simulator's asyncio client is the only other."""
+    seam = {"elastic_rt.rendezvous.etcd_kv", "elastic_rt.rendezvous.etcd_messages",
+            "elastic_rt.rendezvous.etcd_errors", "agents.sim.etcd_aio"}
+    users = {name for name, path in _modules().items()
+             if any(_within(t, "grpc") or _within(t, "etcd3") for t in _every_import(path))}
+    assert users <= seam, sorted(users - seam)

@@ -20,7 +20,7 @@ from elastic_rt.rendezvous.rounds import (
     next_members,
     restart_round,
 )
-from elastic_rt.testing import FakeClock
+from tests.fixtures.clock import FakeClock
 
 LIMITS = Limits(min_nodes=2, max_nodes=4, last_call=5.0)
 

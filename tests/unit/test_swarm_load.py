@@ -1,4 +1,4 @@
-"""The swarm's evidence about itself (agents/swarm.py): when its figures are not etcd's.
+"""The swarm's evidence about itself (agents/sim/swarm.py): when its figures are not etcd's.
 
 A benchmark figure taken while the harness, not etcd, set the pace must be flagged
 (scripts/bench/rendezvous.py says so, and takes such a figure as an upper bound).
@@ -12,7 +12,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from agents.swarm import HarnessLoad, RoundTally
+from agents.sim.swarm import HarnessLoad, RoundTally
 from elastic_rt.rendezvous.rounds import Round
 
 

@@ -1,9 +1,9 @@
 """One process's share of a swarm: a slice of the nodes, driven over a pipe.
 
 One Python process holding a thousand nodes was the limit, not etcd (issue 15): it
-had one core, under one GIL. So :func:`agents.swarm_run.run_swarm` spreads the nodes
+had one core, under one GIL. So :func:`agents.sim.swarm_run.run_swarm` spreads the nodes
 over a few processes, each with its own event loop and channels, and each runs
-:func:`serve` here. Every node is still a :class:`~agents.swarm.SwarmNode` with its
+:func:`serve` here. Every node is still a :class:`~agents.sim.swarm.SwarmNode` with its
 own lease, key and watch, running the agent's decisions.
 
 The parent drives the slices in lock step, one phase at a time: :class:`Arm` (each
@@ -24,7 +24,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from agents.swarm import HarnessLoad, RoundTally, Swarm, SwarmNode
+from agents.sim.swarm import HarnessLoad, RoundTally, Swarm, SwarmNode
 from elastic_rt.rendezvous.rounds import Limits, Round
 
 logger = logging.getLogger(__name__)

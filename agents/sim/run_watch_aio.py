@@ -2,9 +2,9 @@
 
 :class:`agents.run_watch.RunWatch` makes its etcd calls blocking, one node per
 process as the agent is. A swarm holds hundreds of nodes per process
-(agents/swarm.py), and a thread per blocking call was what set its pace, not etcd
+(agents/sim/swarm.py), and a thread per blocking call was what set its pace, not etcd
 (issue 15). This driver makes the same calls on an
-:class:`~elastic_rt.rendezvous.etcd_aio.AioEtcdKV` from the node's event loop. Both
+:class:`~agents.sim.etcd_aio.AioEtcdKV` from the node's event loop. Both
 drivers send the registry's own requests (:meth:`RunRequests.join_request`,
 :meth:`~RunRequests.claim_request`, :meth:`~RunRequests.propose_request`) and leave
 every decision about the copy to the same :class:`~agents.run_copy.RunCopy`; what
@@ -21,8 +21,8 @@ from typing import Callable
 from agents import policy
 from agents.inbox import Inbox
 from agents.run_copy import Cancel, RunCopy, needs_registrations, read_is_due
+from agents.sim.etcd_aio import AioEtcdKV
 from elastic_rt.errors import StoreError
-from elastic_rt.rendezvous.etcd_aio import AioEtcdKV
 from elastic_rt.rendezvous.kv import Change
 from elastic_rt.rendezvous.registry import Joined, RunRequests, snapshot_from
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot

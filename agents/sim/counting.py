@@ -1,7 +1,11 @@
-"""Helpers shared by tests and benchmarks: a fake clock and an operation-counting store.
+"""Every store call a simulated node makes, counted by method name: the benchmark's
+"etcd operations per node per round" (target: at most 3, DESIGN section 6).
 
-Rendezvous participants without workers, which run the agent's own decisions, are
-``agents.simulated.SimulatedNode`` (the library never imports ``agents``).
+:class:`CountingKV` wraps any :class:`~elastic_rt.rendezvous.kv.KVStore` (the simulated
+nodes' blocking clients); :class:`~agents.sim.etcd_aio.AioEtcdKV` counts its own calls
+under the same names, so the swarm's figures and the threaded nodes' compare directly.
+Watch events are pushed by etcd, so they are counted apart (``watch_event``) and left
+out of :meth:`OpCounter.total`.
 """
 
 from __future__ import annotations
@@ -11,24 +15,6 @@ import threading
 from typing import Callable, Iterable, Sequence
 
 from elastic_rt.rendezvous.kv import Change, KeyValue, KVStore, TxnOp, TxnResult
-
-
-class FakeClock:
-    """A clock that moves only when told, for the ``now`` of pure decisions."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> float:
-        self.now += seconds
-        return self.now
-
-    @property
-    def now_ms(self) -> int:
-        return int(self.now * 1000)
 
 
 class OpCounter:

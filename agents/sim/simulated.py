@@ -5,7 +5,7 @@ A :class:`SimulatedNode` registers on a real lease
 agent's own :class:`~agents.run_watch.RunWatch` and runs :func:`agents.policy.decide`
 on a thread, exactly as an agent does, with no workers: starting them only records
 the round. Dozens fit in one process, which is
-how the integration tests put many nodes on one etcd (agents/swarm.py holds
+how the integration tests put many nodes on one etcd (agents/sim/swarm.py holds
 a thousand for the benchmark).
 """
 
@@ -21,6 +21,7 @@ from agents import policy
 from agents.inbox import Inbox
 from agents.policy import AgentState, Observation
 from agents.run_watch import RunWatch
+from agents.sim.counting import CountingKV, OpCounter
 from elastic_rt.config import DEFAULT_LEASE_TTL
 from elastic_rt.errors import RendezvousTimeoutError, StoreError
 from elastic_rt.rendezvous import rounds
@@ -29,7 +30,6 @@ from elastic_rt.rendezvous.kv import KVStore
 from elastic_rt.rendezvous.lease import LeaseKeeper
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round
-from elastic_rt.testing import CountingKV, OpCounter
 
 logger = logging.getLogger(__name__)
 

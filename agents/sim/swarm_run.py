@@ -1,13 +1,13 @@
 """Scenarios on a swarm spread over processes: form a round, lose a node, admit one.
 
-The nodes are split over ``processes`` slices (agents/swarm_slice.py), each a
+The nodes are split over ``processes`` slices (agents/sim/swarm_slice.py), each a
 process with its own event loop and etcd channels, so that the harness's
 Python is not what a thousand nodes wait on. Each scenario times one event to
 "every node holds the new round" and counts what it cost: etcd calls per node by
 kind (sent by the nodes), retries, and etcd's own request count from its
 ``/metrics`` endpoint, which also sees calls our counters might miss. A run raises
 :class:`HarnessBound` when the harness, not etcd, was the bottleneck (see
-:meth:`agents.swarm.HarnessLoad.verdict`).
+:meth:`agents.sim.swarm.HarnessLoad.verdict`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Iterator
 
-from agents.swarm import HarnessLoad
-from agents.swarm_slice import Arm, SliceResult, SliceSpec, Wanted, merge_loads, serve
+from agents.sim.swarm import HarnessLoad
+from agents.sim.swarm_slice import Arm, SliceResult, SliceSpec, Wanted, merge_loads, serve
 from elastic_rt.rendezvous.rounds import Limits, Round
 
 logger = logging.getLogger(__name__)

@@ -1,18 +1,18 @@
 """Hundreds of rendezvous participants in one process: asyncio nodes over a few etcd channels.
 
-:mod:`agents.simulated` gives every node a thread, a lease-keeper thread and its own
+:mod:`agents.sim.simulated` gives every node a thread, a lease-keeper thread and its own
 gRPC channel; past ~200 nodes on two cores that harness, not etcd, is what is
 measured. Here each node is a coroutine that runs the agent's own decisions
 (:func:`agents.policy.decide` over the copy of the run that the agent's
 :class:`agents.run_copy.RunCopy` holds), with its own lease, key, watch and
 keep-alive. Its etcd calls are the agent's requests (the registry builds them) sent
-by :class:`agents.run_watch_aio.AioRunWatch` on one of a :class:`Swarm`'s ``clients``
-asyncio channels (:class:`~elastic_rt.rendezvous.etcd_aio.AioEtcdKV`), from the
+by :class:`agents.sim.run_watch_aio.AioRunWatch` on one of a :class:`Swarm`'s ``clients``
+asyncio channels (:class:`~agents.sim.etcd_aio.AioEtcdKV`), from the
 event loop: no thread per call. A node's watch is armed on one of the shared
 channels, as a real node arms it on its own.
 
 A thousand nodes are several such swarms, one per process
-(:mod:`agents.swarm_slice`, driven by :func:`agents.swarm_run.run_swarm`). The swarm
+(:mod:`agents.sim.swarm_slice`, driven by :func:`agents.sim.swarm_run.run_swarm`). The swarm
 also measures itself (:class:`HarnessLoad`) so that a figure taken while
 the harness was the bottleneck is never mistaken for etcd's or the protocol's.
 """
@@ -30,13 +30,13 @@ from typing import Awaitable, Callable, TypeVar
 from agents import policy
 from agents.inbox import Inbox
 from agents.policy import AgentState, Observation
-from agents.run_watch_aio import AioRunWatch
-from agents.simulated import simulated_settings
+from agents.sim.counting import OpCounter
+from agents.sim.etcd_aio import AioEtcdKV
+from agents.sim.run_watch_aio import AioRunWatch
+from agents.sim.simulated import simulated_settings
 from elastic_rt.errors import StoreError
-from elastic_rt.rendezvous.etcd_aio import AioEtcdKV
 from elastic_rt.rendezvous.registry import RunRequests
 from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round
-from elastic_rt.testing import OpCounter
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,10 +56,10 @@ class HarnessLoad:
     wall_seconds: float = 0.0
     total_cpu: float = 0.0
     """Cores all the harness's processes used together over their life
-    (agents/swarm_slice.py)."""
+    (agents/sim/swarm_slice.py)."""
     box_busy: float = 0.0
     """The largest share of the machine's cores that the harness and etcd kept busy
-    together in one phase (agents/swarm_run.py ``Phase.box_busy``)."""
+    together in one phase (agents/sim/swarm_run.py ``Phase.box_busy``)."""
     box_busy_phase: str = ""
     processes: int = 1
 
@@ -234,7 +234,7 @@ class SwarmNode:
     It follows the run as an agent does, with the agent's
     :class:`~agents.run_copy.RunCopy` and requests (one join transaction, then a
     watch: the leader's on the whole run, a follower's on the ``round`` keys),
-    carried by :class:`~agents.run_watch_aio.AioRunWatch` on the event loop.
+    carried by :class:`~agents.sim.run_watch_aio.AioRunWatch` on the event loop.
 
     Args:
         swarm: where its etcd calls go.

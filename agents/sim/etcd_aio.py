@@ -38,6 +38,7 @@ import grpc.aio  # noqa: E402
 import etcd3.utils  # noqa: E402
 from etcd3 import etcdrpc  # noqa: E402
 
+from agents.sim.counting import OpCounter  # noqa: E402
 from elastic_rt.errors import StoreConnectionError  # noqa: E402
 from elastic_rt.rendezvous.etcd_messages import pb_kv, txn_request, txn_result  # noqa: E402
 from elastic_rt.rendezvous.kv import (  # noqa: E402
@@ -47,7 +48,6 @@ from elastic_rt.rendezvous.kv import (  # noqa: E402
     TxnRequest,
     TxnResult,
 )
-from elastic_rt.testing import OpCounter  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
