@@ -26,7 +26,7 @@ from agents.local_workers import LocalWorkers
 from agents.policy import AgentState, Observation
 from agents.round_io import agree_on_store, propose_round, report_root_cause, settle_failure
 from agents.run_watch import RunWatch
-from agents.workers import WorkerExit
+from agents.worker_state import WorkerExit
 from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError, StoreError
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.etcd_kv import EtcdKV

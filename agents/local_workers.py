@@ -1,7 +1,7 @@
-"""This node's workers as the agent sees them: started with their environment, watched
-with their acknowledgements, stopped.
+"""This node's workers as the agent knows them: started with their environment, watched
+with their acknowledgements and error files, stopped.
 
-The processes themselves are :class:`~agents.workers.WorkerGroup`'s; this adds what
+The processes themselves are :class:`~agents.processes.WorkerGroup`'s; this adds what
 the agent knows about them: the environment each one gets (one
 :class:`~elastic_rt.config.WorkerEnv` path, see :mod:`agents.worker_env`), the
 directory their in-process acknowledgements land in, and the events that say so.
@@ -15,11 +15,12 @@ import shutil
 import time
 from typing import Callable, Sequence
 
-from elastic_rt.acks import read_acks
 from agents.config import AgentConfig
 from agents.policy import acks_in_process
+from agents.processes import WorkerGroup
 from agents.worker_env import process_env, round_envs, standby_envs
-from agents.workers import WorkerExit, WorkerGroup, WorkerState
+from agents.worker_state import WorkerExit, WorkerState
+from elastic_rt.acks import read_acks
 from elastic_rt.childproc import owned_temp_dir
 from elastic_rt.config import WorkerEnv
 from elastic_rt.events import EventSink

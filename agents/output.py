@@ -3,7 +3,7 @@
 
 Pure: :func:`parse_std` and :func:`parse_ranks` read the flags, :func:`plan_streams`
 decides per local rank what goes to a file, what to the console and where
-``@record``'s error file is. :mod:`agents.workers` opens the files and copies tee'd
+``@record``'s error file is. :mod:`agents.processes` opens the files and copies tee'd
 lines. The layout on disk is torchrun's, one level up from the attempt:
 ``<log_dir>/<run_id>_<node>_<random>/attempt_<n>/<local_rank>/{stdout,stderr}.log``
 and ``error.json`` beside them.

@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass
 from datetime import timedelta
 
-from agents.workers import WorkerExit, WorkerState
+from agents.worker_state import WorkerExit, WorkerState
 from elastic_rt.config import (
     DEFAULT_MAX_RESTARTS,
     DEFAULT_MONITOR_INTERVAL,

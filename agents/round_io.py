@@ -14,7 +14,7 @@ from typing import Callable
 
 from agents import policy
 from agents.alive import probe_members
-from agents.workers import WorkerExit
+from agents.worker_state import WorkerExit
 from elastic_rt.etcd_server import free_port
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.registry import RunRegistry

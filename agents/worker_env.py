@@ -1,9 +1,17 @@
-"""A node's place in a round -> the environment of each local worker.
+"""The environment of each local worker: its place in a round, plus torchrun's extras.
 
-The values are :class:`~elastic_rt.config.WorkerEnv`, written with its ``to_env`` (the
-one path: the library reads the same class back with ``from_env``). Workers in a
-round get torchrun's variables, so an unmodified torchrun script runs; workers
+The round part is a :class:`~elastic_rt.config.WorkerEnv`, written with its ``to_env``
+(the one path: the library reads the same class back with ``from_env``). Workers in
+a round get torchrun's variables, so an unmodified torchrun script runs; workers
 started in standby (outside any round) get no rank until a round admits them.
+
+The extras (:func:`with_extras`) depend on the worker's output plan, not on the
+round, so the process layer adds them when it spawns: ``@record``
+(torch.distributed.elastic's error decorator) writes the exception to
+``TORCHELASTIC_ERROR_FILE``, and NCCL aborts a failed collective instead of hanging
+when ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is 1, torchrun's default.
+``OMP_NUM_THREADS`` is set by the launcher itself, in the environment every worker
+inherits, as torchrun does.
 """
 
 from __future__ import annotations
@@ -11,8 +19,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+from elastic_rt import config as cfg
 from elastic_rt.config import WorkerEnv
 from elastic_rt.rendezvous.rounds import Round
+
+ERROR_FILE_ENV = cfg.ERROR_FILE_ENV
+NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def round_envs(node: WorkerEnv, round_: Round, *, master: tuple[str, int],
@@ -46,3 +58,16 @@ def standby_envs(node: WorkerEnv, nproc: int, *, restart_count: int) -> list[Wor
 def process_env(base: Mapping[str, str], env: WorkerEnv) -> dict[str, str]:
     """The full environment of a worker process: the agent's own plus ``env``."""
     return {**base, **env.to_env(), "PYTHONUNBUFFERED": "1"}
+
+
+def with_extras(env: Mapping[str, str], *, error_file: str, role: str) -> dict[str, str]:
+    """``env`` plus torchrun's error file, NCCL error handling and role name.
+
+    A user's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` wins, as under torchrun.
+    """
+    return {
+        **env,
+        ERROR_FILE_ENV: error_file,
+        NCCL_ASYNC_ERROR_HANDLING_ENV: env.get(NCCL_ASYNC_ERROR_HANDLING_ENV, "1"),
+        cfg.ROLE_NAME_ENV: role,
+    }

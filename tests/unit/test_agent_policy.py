@@ -22,7 +22,7 @@ from agents.policy import (
     Phase,
     Settings,
 )
-from agents.workers import WorkerExit, WorkerState
+from agents.worker_state import WorkerExit, WorkerState
 from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round, Snapshot, Wait
 from elastic_rt.root_cause import RootCause
 

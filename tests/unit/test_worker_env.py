@@ -6,8 +6,13 @@ from datetime import timedelta
 
 import pytest
 
-from agents.extra_env import NCCL_ASYNC_ERROR_HANDLING_ENV, with_extras
-from agents.worker_env import process_env, round_envs, standby_envs
+from agents.worker_env import (
+    NCCL_ASYNC_ERROR_HANDLING_ENV,
+    process_env,
+    round_envs,
+    standby_envs,
+    with_extras,
+)
 from elastic_rt.config import (
     COLLECTIVE_TIMEOUT_ENV,
     DEFAULT_LEASE_TTL,

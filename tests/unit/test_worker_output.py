@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from agents.output import OutputSpec, Std, parse_ranks, parse_std, plan_streams
-from agents.workers import WorkerGroup, WorkerState
+from agents.processes import WorkerGroup
+from agents.worker_state import WorkerState
 from elastic_rt.harness import wait_until
 
 pytestmark = pytest.mark.timeout(60)

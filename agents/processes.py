@@ -1,4 +1,4 @@
-"""Start, watch and stop one node's worker processes. Never leaves orphans.
+"""The process layer: start, watch and stop one node's worker processes. Never leaves orphans.
 
 Each worker runs in its own session (its own process group), so a signal meant
 for one worker's tree reaches all of it and nothing else, and gets SIGKILL when
@@ -13,40 +13,24 @@ thread copies to the file and, prefixed with ``[<role><local_rank>]:``, to ours.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import signal
 import subprocess
-import threading
 import sys
+import threading
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import IO
 
 import psutil
 
 from agents.output import OutputSpec, Streams, plan_streams
-from agents.extra_env import with_extras
+from agents.worker_env import with_extras
+from agents.worker_state import WorkerExit, WorkerState
 from elastic_rt.childproc import dying_with_parent
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerState(enum.Enum):
-    IDLE = "idle"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerExit:
-    local_rank: int
-    pid: int
-    exitcode: int
-    """Negative for a signal, as in subprocess."""
 
 
 class WorkerGroup:
