@@ -15,6 +15,7 @@ from typing import Callable
 from agents import policy
 from agents.alive import probe_members
 from agents.worker_state import WorkerExit
+from elastic_rt.errors import RendezvousTimeoutError
 from elastic_rt.etcd_server import free_port
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.registry import RunRegistry
@@ -62,20 +63,19 @@ def agree_on_store(registry: RunRegistry, round_: Round, me: NodeInfo, *, wait: 
     host = _store_host(round_)
     if host == me.node_id:
         registry.publish_store(round_, f"{me.host}:{free_port(me.host)}")
-    deadline = time.monotonic() + wait.total_seconds()
-    while time.monotonic() < deadline:
-        address = registry.store_address(round_.number)
-        if address:
-            host, _, port = address.rpartition(":")
-            return host, int(port)
+
+    def gone() -> bool:
         current = registry.current_round()
         if current is None or current.number != round_.number:
-            return None
-        if not registry.is_registered(host):
-            return None
-        sleep(0.05)
-    logger.warning("no store address for round %d; waiting for the next round", round_.number)
-    return None
+            return True
+        return not registry.is_registered(host)
+
+    try:
+        return registry.await_store(round_.number, wait, gone=gone, sleep=sleep, poll=0.05)
+    except RendezvousTimeoutError:
+        logger.warning("no store address for round %d; waiting for the next round",
+                       round_.number)
+        return None
 
 
 def _store_host(round_: Round) -> str:

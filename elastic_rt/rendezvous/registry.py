@@ -34,9 +34,10 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from datetime import timedelta
+from typing import Callable, Mapping
 
-from elastic_rt.errors import FencedOutError
+from elastic_rt.errors import FencedOutError, RendezvousTimeoutError
 from elastic_rt.rendezvous.kv import Get, KeyValue, KVStore, Put, PutIf, TxnRequest, TxnResult
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
 from elastic_rt.root_cause import RootCause
@@ -114,6 +115,13 @@ def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
         alarm=(int(json.loads(alarm.value)["round"]), alarm.mod_revision) if alarm else None,
         nodes_known=nodes_known,
     )
+
+
+def store_endpoint(address: str) -> tuple[str, int]:
+    """A published ``host:port`` as (host, port); split at the last colon, so an IPv6
+    host keeps its own."""
+    host, _, port = address.rpartition(":")
+    return host, int(port)
 
 
 class RunRequests:
@@ -256,6 +264,29 @@ class RunRegistry(RunRequests):
     def store_address(self, round_number: int) -> str | None:
         item = self.kv.get(self.key(f"store/{round_number}"))
         return item.value.decode() if item else None
+
+    def await_store(self, round_number: int, timeout: timedelta, *, gone: Callable[[], bool],
+                    sleep: Callable[[float], None], poll: float) -> tuple[str, int] | None:
+        """Round ``round_number``'s store (host, port), polled until its host publishes it.
+
+        The agent that agrees on a round and each worker that joins it wait here, so
+        both read the address the same way (:func:`store_endpoint`). Returns None as
+        soon as ``gone()`` says it never will be published (the round was replaced, or
+        its host left first).
+
+        Raises:
+            RendezvousTimeoutError: neither within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        while time.monotonic() < deadline:
+            address = self.store_address(round_number)
+            if address:
+                return store_endpoint(address)
+            if gone():
+                return None
+            sleep(poll)
+        raise RendezvousTimeoutError(f"no store address for round {round_number}",
+                                     "Check that its first node is alive.")
 
     # job state -----------------------------------------------------------------
     def restarts(self) -> int:

@@ -116,18 +116,10 @@ class RoundFollower:
         Raises:
             RendezvousTimeoutError: neither within ``timeout``.
         """
-        deadline = time.monotonic() + timeout.total_seconds()
-        while time.monotonic() < deadline:
-            address = self.registry.store_address(round_.number)
-            if address:
-                host, _, port = address.rpartition(":")
-                return host, int(port)
-            if self.has_newer_round(round_.number):
-                return None
-            time.sleep(0.01)
-        raise RendezvousTimeoutError(
-            f"no store address for round {round_.number}", "Check that its first node is alive."
-        )
+        return self.registry.await_store(
+            round_.number, timeout, gone=lambda: self.has_newer_round(round_.number),
+            sleep=time.sleep, poll=0.01,
+        )  # fmt: skip
 
     def report_failure(self, round_: Round) -> None:
         """Ask the agents to check on our peers, unless a newer round already exists."""

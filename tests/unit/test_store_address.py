@@ -1,0 +1,56 @@
+"""How the agent and the workers read a round's store address: one poll, one parse."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from elastic_rt.errors import RendezvousTimeoutError
+from elastic_rt.rendezvous.kv import KeyValue
+from elastic_rt.rendezvous.registry import RunRegistry, store_endpoint
+
+
+class _Published:
+    """A store whose ``store/<k>`` key appears after ``after`` reads."""
+
+    def __init__(self, address: str | None, after: int = 0) -> None:
+        self.address, self.after, self.reads = address, after, 0
+
+    def get(self, key: str) -> KeyValue | None:
+        self.reads += 1
+        if self.address is None or self.reads <= self.after:
+            return None
+        return KeyValue(key=key, value=self.address.encode(), mod_revision=1,
+                        create_revision=1, lease=0)
+
+
+def registry(address: str | None, after: int = 0) -> RunRegistry:
+    return RunRegistry(_Published(address, after), "r")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("address", "endpoint"), [
+    ("10.0.0.5:29500", ("10.0.0.5", 29500)),
+    ("::1:29500", ("::1", 29500)),  # the port follows the last colon
+])
+def test_a_published_address_splits_at_its_last_colon(
+        address: str, endpoint: tuple[str, int]) -> None:
+    assert store_endpoint(address) == endpoint
+
+
+def test_the_address_is_polled_until_its_host_publishes_it() -> None:
+    slept: list[float] = []
+    got = registry("h:1", after=3).await_store(2, timedelta(seconds=5), gone=lambda: False,
+                                               sleep=slept.append, poll=0.05)
+    assert got == ("h", 1) and slept == [0.05] * 3
+
+
+def test_a_round_that_will_never_have_a_store_is_given_up_at_once() -> None:
+    assert registry(None).await_store(2, timedelta(seconds=5), gone=lambda: True,
+                                      sleep=lambda _: None, poll=0.05) is None
+
+
+def test_no_address_in_time_is_a_rendezvous_timeout() -> None:
+    with pytest.raises(RendezvousTimeoutError, match="no store address for round 2"):
+        registry(None).await_store(2, timedelta(0), gone=lambda: False, sleep=lambda _: None,
+                                   poll=0.05)
