@@ -1,11 +1,14 @@
 """A node's copy of its run: joined with one transaction, kept current by one watch.
 
-Reading the whole run at each decision cost every node O(N) per read and the job
-O(N^2) per round, and every node raced to write each round (issue 15). Here a node
-joins with :meth:`RunRegistry.join` (register, take the leadership if free, read)
-and watches from the revision that read: the leader the whole run, a follower only
-the ``round`` keys (election.py). Decisions read the copy, not etcd; the run is
-read again only when the copy cannot be trusted:
+Decisions read the copy, never etcd, and only the elected leader writes rounds: a
+round of 1024 nodes forms in 0.64-0.87 s on one local etcd at 3.00 etcd calls per
+node (docs/rendezvous.md). Reading the whole run at each decision, every node racing
+to write, had cost 38 calls per node and 68.7 s at 256.
+
+A node joins with :meth:`RunRegistry.join` (register, take the leadership if free,
+read) and watches from the revision that read: the leader the whole run, a follower
+only the ``round`` keys (election.py). The run is read again only when the copy
+cannot be trusted:
 
 - the watch broke (etcd restarted, a cluster member died, history compacted): one
   claim transaction re-reads, and the watch starts again after it;

@@ -1,10 +1,11 @@
 """The rendezvous's etcd calls over ``grpc.aio``: many simulated nodes on one event loop.
 
-The agent talks to etcd through the blocking :class:`~elastic_rt.rendezvous.etcd_kv.EtcdKV`
-(one node per process, one client). A simulator holding hundreds of nodes in one
-process cannot: a blocking call needs a thread, and the threads, their hand-offs
-and python-etcd3's per-call wrapping cost ~4.6 ms of CPU per node to join, which
-starved etcd of the two cores it shares with them (issue 15). Here the same
+No thread per call: a node's join costs the harness ~0.7 ms of CPU here (three gRPC
+calls of ~150 us each in gRPC's core, the rest asyncio and the agent's decisions),
+against ~4.6 ms through threads and python-etcd3, which starved etcd of the two
+cores it shared with them (docs/rendezvous.md). The simulator's only: the product's
+one etcd client is the blocking :class:`~elastic_rt.rendezvous.etcd_kv.EtcdKV` (one
+node per process, one client). Here the same
 requests (built by :func:`~elastic_rt.rendezvous.etcd_kv.txn_request` and the
 registry's pure ``*_request`` methods) go out on etcd's own generated stubs over an
 asyncio channel, and the answers come back on the caller's event loop: no thread,
@@ -19,7 +20,7 @@ sending the next create.
 
 Plaintext to one endpoint, no auth or fail-over: it is for simulators on a local
 etcd. Every call is counted in ``counter`` under the names
-:class:`elastic_rt.testing.CountingKV` uses, so a benchmark's calls per node are
+:class:`agents.sim.counting.CountingKV` uses, so a benchmark's calls per node are
 the store's.
 """
 

@@ -1,8 +1,10 @@
 """One process's share of a swarm: a slice of the nodes, driven over a pipe.
 
-One Python process holding a thousand nodes was the limit, not etcd (issue 15): it
-had one core, under one GIL. So :func:`agents.sim.swarm_run.run_swarm` spreads the nodes
-over a few processes, each with its own event loop and channels, and each runs
+No one process may be what the nodes wait on: one Python process holds one core,
+under one GIL, and a thousand nodes in one were its limit, not etcd's. So
+:func:`agents.sim.swarm_run.run_swarm` spreads the nodes over a few processes (2 by
+default; at 1024 nodes the busiest used 0.20-0.29 cores over its life,
+docs/rendezvous.md), each with its own event loop and channels, and each runs
 :func:`serve` here. Every node is still a :class:`~agents.sim.swarm.SwarmNode` with its
 own lease, key and watch, running the agent's decisions.
 
