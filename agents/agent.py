@@ -2,9 +2,11 @@
 
 The agent never imports torch (it stays small and starts fast), and decides
 nothing itself: each turn of its loop it observes (the run's keys, its workers,
-their acknowledgements), asks :func:`agents.policy.decide`, and carries out the
-answer: propose a round, agree on its store and start the workers, stop them,
-settle a failure (probe the peers, count it against the job's restart budget).
+their acknowledgements) and hands the observation to :func:`agents.dispatch.carry_out`,
+which asks :func:`agents.policy.decide` and calls back one of the agent's hands per
+action: propose a round, agree on its store and start the workers, stop them, probe
+the peers, claim and count a failure. What an action did comes back to the policy
+as an observation; the agent never changes its state itself.
 
 A node that cannot renew its lease stops its workers before the TTL runs out
 (self-fencing, from the lease thread) and joins again once etcd answers. SIGTERM
@@ -16,15 +18,17 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from typing import NoReturn
 
 from agents import policy
 from agents.alive import AliveServer, probe_members
 from agents.config import AgentConfig
+from agents.dispatch import Driver, Exited, carry_out
 from agents.heartbeat import Heartbeat
 from agents.inbox import Inbox
 from agents.local_workers import LocalWorkers
 from agents.policy import AgentState, Observation
-from agents.round_io import agree_on_store, propose_round, report_root_cause, settle_failure
+from agents.round_io import agree_on_store, propose_round, report_root_cause
 from agents.run_watch import RunWatch
 from agents.worker_state import WorkerExit
 from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError, StoreError
@@ -58,7 +62,7 @@ class Agent:
         self.keeper = self._lease_keeper()
         self.heartbeat = Heartbeat(self.registry, config.node_id, config.heartbeat, self.events,
                                    on_evicted=self.inbox.changed)
-        self.state = AgentState()
+        self.driver = Driver(self.settings)
         self._started = self._last_wait_report = 0.0
 
     # entry point ---------------------------------------------------------------
@@ -106,106 +110,115 @@ class Agent:
         if standby and snapshot.round is not None:
             logger.info("node %s starts its workers before joining run %s", self.info.node_id,
                         self.registry.run_id)
-            self._start_in_standby(snapshot.round)
+            carry_out(self, self.driver, policy.JoiningInPlace(snapshot.round))
             return
         logger.info("node %s registered for run %s", self.info.node_id, self.registry.run_id)
 
     # one turn of the loop: observe, decide, act ------------------------------------
+    @property
+    def state(self) -> AgentState:
+        return self.driver.state
+
     def _step(self) -> int | None:
         if self.inbox.take_fenced():
-            self.workers.stop()  # again: the loop may have started workers meanwhile
-            self.state = policy.fenced(self.state)
-        code = self._carry_out(policy.decide(self.state, self._observe(), self.settings))
+            carry_out(self, self.driver, policy.Fenced())  # stops the workers again
+        code = carry_out(self, self.driver, self._observe())
         self.heartbeat.watch(self.state.running)  # a hung peer is evicted in under a second
         return code
 
-    def _carry_out(self, decision: policy.Decision) -> int | None:
-        self.state = decision.state
-        for action in decision.actions:
-            code = self._act(action)
-            if code is not None:
-                return code
-        return None
-
-    def _observe(self) -> Observation:
+    def _observe(self, *, read: bool = True) -> Observation:
+        """The run (when due; not with ``read=False``) and the local workers, now."""
         leave_signal = self.inbox.leave_signal
-        snapshot, store_error = (None, False) if leave_signal is not None else (
+        snapshot, store_error = (None, False) if leave_signal is not None or not read else (
             self.watch.read(self.state, self.settings))
         workers, exits = self.workers.poll()
         return Observation(
-            now=time.monotonic(), now_ms=int(time.time() * 1000), snapshot=snapshot,
-            store_error=store_error,
+            now=time.monotonic(), now_ms=_now_ms(), snapshot=snapshot, store_error=store_error,
             workers=workers, exits=tuple(exits), acks=self.workers.acks(),
             waited=time.monotonic() - self._started, leave_signal=leave_signal,
         )  # fmt: skip
 
-    def _act(self, action: policy.Action) -> int | None:
-        if isinstance(action, policy.Exit):
-            return self._exit(action.outcome)
-        if isinstance(action, policy.CloseRun):
-            self.registry.close(policy.closed_record(action.outcome))
-        elif isinstance(action, policy.ProposeRound):
-            self._propose(action)
-        elif isinstance(action, policy.StartWorkers):
-            self._start_round(action.round)
-        elif isinstance(action, policy.FollowRound):
-            if self._agree_on_store(action.round) is not None:
-                self.state = policy.following(self.state, action.round, now=time.monotonic(),
-                                              reform_timeout=self.config.reform_timeout)
-        elif isinstance(action, policy.StopWorkers):
-            self._stop_workers(action.why)
-        elif isinstance(action, policy.RejoinInStandby):
-            self._revoke_lost_lease()
-            self._start_in_standby(action.round, restart=True)
-        elif isinstance(action, policy.Register):
-            self._register_again()
-        elif isinstance(action, policy.HandleFailure):
-            return self._workers_failed(action)
-        elif isinstance(action, policy.Succeed):
-            return self._succeeded(action.round)
-        elif isinstance(action, policy.AnswerAlarm):
-            return self._answer_alarm(action.round)
-        elif isinstance(action, policy.PublishInProcess):
-            self.registry.mark_in_process()
-        elif isinstance(action, policy.JoinTimedOut):
-            raise self.config.join_timed_out(self.watch.registered())
-        elif isinstance(action, policy.Sleep):
-            if action.waiting_for:
-                self._report_waiting(action.waiting_for)
-            self.inbox.sleep(action.seconds)
-        return None
-
-    # rounds --------------------------------------------------------------------
-    def _propose(self, action: policy.ProposeRound) -> None:
+    # the hands: each action, carried out (see agents.dispatch) -----------------------
+    def propose(self, action: policy.ProposeRound) -> None:
         self.inbox.reread()
         propose_round(self.watch.propose, self.events, action)
 
-    def _start_round(self, round_: Round) -> None:
-        master = self._agree_on_store(round_)
+    def start_workers(self, action: policy.StartWorkers) -> policy.WorkersStarted | None:
+        master = self._agree_on_store(action.round)
         if master is None:
-            return
-        self.state = policy.started(self.state, round_)
-        self.workers.start_in(round_, master, self.state.restart_count)
+            return None
+        self.workers.start_in(action.round, master, action.restart_count)
+        return policy.WorkersStarted(action.round, action.restart_count)
+
+    def follow_round(self, action: policy.FollowRound) -> policy.RoundFollowed | None:
+        if self._agree_on_store(action.round) is None:
+            return None
+        return policy.RoundFollowed(action.round, now=time.monotonic())
 
     def _agree_on_store(self, round_: Round) -> tuple[str, int] | None:
         return agree_on_store(self.registry, round_, self.info, wait=self.config.store_wait,
                               sleep=self.inbox.sleep)
 
-    def _answer_alarm(self, round_: Round) -> int | None:
-        """A worker's collective failed: evict dead peers, or re-form if all answer."""
-        dead, unsure = probe_members(self.registry, round_, self.info.node_id)
-        verdict, proposal = policy.alarm_verdict(round_, dead=dead, unsure=unsure,
-                                                 workers=self.workers.poll()[0],
-                                                 now_ms=int(time.time() * 1000))
-        if proposal is not None:
-            self._propose(proposal)
-        if verdict is policy.AlarmVerdict.HANDLED:
-            return None
-        return self._carry_out(policy.participate(self.state, round_, self._observe(),
-                                                  self.settings))
+    def stop_workers(self, action: policy.StopWorkers) -> None:
+        self.workers.stop(action.why)
 
-    # worker outcomes -------------------------------------------------------------
-    def _succeeded(self, round_: Round | None) -> int:
+    def publish_in_process(self, action: policy.PublishInProcess) -> None:
+        self.registry.mark_in_process()
+
+    def start_in_standby(self, action: policy.StartInStandby) -> policy.StandbyStarted:
+        """Start workers outside any round; register only once they are imported."""
+        self.workers.start_standby(action.restart_count, first=action.first)
+        self.workers.wait_announced(self.config.reform_timeout.total_seconds(),
+                                    give_up=lambda: self.inbox.leave_signal is not None,
+                                    sleep=self.inbox.sleep)
+        if action.register:
+            self.keeper = self._lease_keeper()
+            self.keeper.start()
+        return policy.StandbyStarted(action.round, action.restart_count,
+                                     announced=self.workers.in_process(),
+                                     registered=action.register)
+
+    def gather_failure(self, action: policy.HandleFailure) -> policy.FailureSeen:
+        """Say which workers failed, stop the others, and learn what the failure costs."""
+        first = self.workers.report_failed(action.round, action.exits)
+        in_process = self.workers.in_process()
+        self.workers.stop("a worker failed")
+        step = (self.registry.progress() or {}).get("step")
+        cause = self.workers.root_cause(action.round, action.exits, self.info.host,
+                                        step if isinstance(step, int) else None)
+        return policy.FailureSeen(policy.FailureFacts(
+            action.round, self.registry.snapshot(), in_process, first, self.info.node_id,
+            _now_ms(), cause))  # fmt: skip
+
+    def probe_peers(self, action: policy.ProbePeers) -> policy.PeersProbed:
+        dead, unsure = probe_members(self.registry, action.round, self.info.node_id)
+        return policy.PeersProbed(action.round, tuple(dead), tuple(unsure),
+                                  self._observe(read=False))
+
+    def claim_failure(self, action: policy.ClaimFailure) -> policy.FailureClaimed:
+        claimed = self.registry.claim_failure(action.round.number, action.what)
+        repeated = (report_root_cause(self.registry, action.cause, claimed=claimed)
+                    if action.cause is not None else None)
+        return policy.FailureClaimed(claimed, repeated)
+
+    def count_restart(self, action: policy.CountRestart) -> policy.RestartCounted:
+        return policy.RestartCounted(self.registry.count_restart())
+
+    def report_root_cause(self, action: policy.ReportRootCause) -> None:
+        report_root_cause(self.registry, action.cause, claimed=False)
+
+    def leave_round(self, action: policy.LeaveRound) -> None:
+        self.keeper.stop(revoke=True)
+        self.events.emit("node.left", round=action.round.number, reason=action.why)
+
+    def reform_without_us(self, action: policy.ReformWithoutUs) -> policy.ReformWritten:
+        self.propose(action.proposal)
+        return policy.ReformWritten(action.proposal.proposal.round, action.why,
+                                    self.registry.current_round(), _now_ms())
+
+    def succeed(self, action: policy.Succeed) -> Exited:
+        """Every local worker succeeded: mark the job completing and leave."""
+        round_ = action.round
         self.registry.mark_completing()
         self.events.emit("job.finished", round=round_.number if round_ else None)
         self.keeper.stop(revoke=True)
@@ -213,75 +226,18 @@ class Agent:
         if not remaining:
             self.registry.close(policy.closed_record(policy.Finished("finished")))
         logger.info("workers finished; node %s leaves", self.info.node_id)
-        return policy.exit_code(policy.Finished("workers finished"))
+        return Exited(policy.exit_code(policy.Finished("workers finished")))
 
-    def _workers_failed(self, action: policy.HandleFailure) -> int | None:
-        first = self.workers.report_failed(action.round, action.exits)
-        in_process = self.workers.in_process()
-        self._stop_workers("a worker failed")
-        progress = self.registry.progress() or {}
-        step = progress.get("step")
-        cause = self.workers.root_cause(action.round, action.exits, self.info.host,
-                                        step if isinstance(step, int) else None)
-        verdict = settle_failure(self.registry, action.round, first, cause,
-                                 in_process=in_process, settings=self.settings)
-        if isinstance(verdict, policy.Failed):
-            return self._close(verdict)
-        if isinstance(verdict, policy.RestartInStandby):
-            self.keeper.stop(revoke=True)
-            self.events.emit("node.left", round=verdict.round.number, reason=verdict.why)
-            self._start_in_standby(verdict.round, restart=True)
-        elif isinstance(verdict, policy.ReplaceWorkers):
-            self._reform_without_our_ranks(verdict)
-            self._start_in_standby(verdict.proposal.proposal.round, restart=True,
-                                   keep_lease=True)
-        elif verdict is not None:
-            self._propose(verdict)
-        return None
+    def close_run(self, action: policy.CloseRun) -> None:
+        self.registry.close(policy.closed_record(action.outcome))
 
-    def _reform_without_our_ranks(self, verdict: policy.ReplaceWorkers) -> None:
-        """Write the round without our ranks; once more if a peer's alarm wrote a round
-        with them meanwhile (its survivors would wait there for our replacements)."""
-        self._propose(verdict.proposal)
-        current = self.registry.current_round()
-        me = self.info.node_id
-        if (current is not None and me in current.members
-                and current.nprocs[current.group_rank(me)] > 0):
-            without = policy.with_ranks(current, me, 0, verdict.why, int(time.time() * 1000))
-            self._propose(policy.ProposeRound(without, replaced=current))
+    def join_timed_out(self, action: policy.JoinTimedOut) -> NoReturn:
+        raise self.config.join_timed_out(self.watch.registered())
 
-    def _start_in_standby(self, round_: Round, *, restart: bool = False,
-                          keep_lease: bool = False) -> None:
-        """Start workers outside any round; register only once they are imported.
-
-        Used by a node joining a running in-process job, by one replacing a failed
-        worker and by one back from a fence. The workers announce themselves once
-        imported; only then does the node register (or, with ``keep_lease``, when it
-        stayed a member without ranks, ask for its ranks back), and the survivors take
-        it in at a step boundary without waiting.
-        Workers that do not announce in time are stopped and the node joins the normal
-        way (restart mode is the fallback, never a hang).
-        """
-        first = not self.state.ever_ran
-        self.state = policy.standby_started(self.state, restart=restart)
-        self.workers.start_standby(self.state.restart_count, first=first)
-        self.workers.wait_announced(self.config.reform_timeout.total_seconds(),
-                                    give_up=lambda: self.inbox.leave_signal is not None,
-                                    sleep=self.inbox.sleep)
-        if not keep_lease:
-            self.keeper = self._lease_keeper()
-            self.keeper.start()
-            self.state = policy.registered(self.state)
-        if self.workers.in_process():
-            # Belong to no round yet: the round that admits us (even the current one, if it
-            # still lists us) then starts through FollowRound and gets its store published.
-            self.state = policy.in_standby(self.state, round_)
-        else:
-            self._stop_workers("standby workers did not start in time")
-
-    def _stop_workers(self, why: str) -> None:
-        self.workers.stop(why)
-        self.state = policy.stopped(self.state)
+    def sleep(self, action: policy.Sleep) -> None:
+        if action.waiting_for:
+            self._report_waiting(action.waiting_for)
+        self.inbox.sleep(action.seconds)
 
     # fencing, leaving, closing -----------------------------------------------------
     def _lease_keeper(self) -> LeaseKeeper:
@@ -301,7 +257,7 @@ class Agent:
         if stale is not None:
             self.registry.evict(stale)
 
-    def _revoke_lost_lease(self) -> None:
+    def revoke_lost_lease(self, action: policy.RevokeLostLease) -> None:
         """After a fence the old lease may still run for a moment: end it, so the survivors
         re-form without this node now rather than when it expires."""
         if self.keeper.lease_id is None:
@@ -311,17 +267,16 @@ class Agent:
         except StoreError as exc:
             logger.debug("revoking the fenced lease failed: %s", exc)
 
-    def _register_again(self) -> None:
+    def register(self, action: policy.Register) -> policy.Registered | policy.RegisterFailed:
         """Back from a fence in restart mode: register on a new lease (etcd answers again)."""
         keeper = self._lease_keeper()
         try:
             keeper.start()
         except StoreError as exc:
             logger.warning("registering again failed (%s); retrying", exc)
-            self.inbox.sleep(self.settings.retry_after.total_seconds())
-            return
+            return policy.RegisterFailed()
         self.keeper = keeper
-        self.state = policy.registered(self.state)
+        return policy.Registered()
 
     def _fence(self, why: str) -> None:
         """Called from the lease thread: stop training before others declare us dead.
@@ -333,7 +288,9 @@ class Agent:
         self.events.emit("agent.fenced", reason=why)
         self.inbox.fenced()
 
-    def _exit(self, outcome: policy.Outcome) -> int:
+    def exit(self, action: policy.Exit) -> Exited:
+        """Stop the workers and end the agent with the outcome's exit code."""
+        outcome = action.outcome
         if isinstance(outcome, policy.Left):
             name = signal.Signals(outcome.signum).name
             # Revoke first: peers re-form without waiting out our workers' grace period,
@@ -343,14 +300,14 @@ class Agent:
             self.workers.stop()
             self.events.emit("node.left", signal=name)
             logger.info("node %s left on %s", self.info.node_id, name)
-            return policy.exit_code(outcome)
+            return Exited(policy.exit_code(outcome))
         exits = self.workers.stop()
         reason = policy.closed_record(outcome)
         if isinstance(outcome, policy.Failed):
             self._report_raised(exits)
             logger.error("job stopped: %s", reason)
         self.events.emit("agent.exited", reason=reason, exitcode=policy.exit_code(outcome))
-        return policy.exit_code(outcome)
+        return Exited(policy.exit_code(outcome))
 
     def _report_raised(self, exits: list[WorkerExit]) -> None:
         """A worker of ours that closed the run (the user's code raised) left its error in
@@ -365,14 +322,13 @@ class Agent:
         except StoreError as exc:  # leaving anyway: say why here, at least
             logger.warning("root cause not stored (%s):\n%s", exc, cause.table())
 
-    def _close(self, outcome: policy.Failed) -> int:
-        """Close the run for everyone, and leave saying why, like the peers will."""
-        self.registry.close(policy.closed_record(outcome))
-        return self._exit(outcome)
-
     def _report_waiting(self, reason: str) -> None:
         """Show that a long rendezvous wait is alive: one line every 5 s, with its reason."""
         now = time.monotonic()
         if now - self._last_wait_report >= 5.0:
             self._last_wait_report = now
             logger.info("waiting for a round (%s) for %.0f s", reason, now - self._started)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,8 +1,8 @@
-"""The agent's round I/O: write a proposed round, agree on its store, settle a failure,
-report its root cause.
+"""The agent's round I/O: write a proposed round, agree on its store, report a root cause.
 
-Each function carries out one step the policy (:mod:`agents.policy`) decided, or
-gathers the facts its next decision needs, and says what happened in events.
+Each function carries out one action the policy (:mod:`agents.policy`) decided and
+says what happened in events; what it learned goes back to the policy as an
+observation (see :mod:`agents.dispatch`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from datetime import timedelta
 from typing import Callable
 
 from agents import policy
-from agents.alive import probe_members
-from agents.worker_state import WorkerExit
 from elastic_rt.errors import RendezvousTimeoutError
 from elastic_rt.etcd_server import free_port
 from elastic_rt.events import EventSink
@@ -81,33 +79,6 @@ def agree_on_store(registry: RunRegistry, round_: Round, me: NodeInfo, *, wait: 
 def _store_host(round_: Round) -> str:
     """The member whose first worker is the round's rank 0."""
     return next((m for m, n in zip(round_.members, round_.nprocs) if n > 0), round_.members[0])
-
-
-def settle_failure(registry: RunRegistry, round_: Round, first: WorkerExit, cause: RootCause, *,
-                   in_process: bool, settings: policy.Settings
-                   ) -> (policy.Failed | policy.RestartInStandby | policy.ReplaceWorkers
-                         | policy.ProposeRound | None):
-    """After a local worker failed and the workers were stopped: what it costs the job.
-
-    Reads the run again, probes the peers or claims the failure, reports its root cause,
-    counts the restart, as :func:`policy.on_worker_failure`, :func:`policy.repeated_failure`
-    and :func:`policy.on_restart_counted` decide.
-    """
-    facts = policy.FailureFacts(round_, registry.snapshot(), in_process, first,
-                                settings.node_id, int(time.time() * 1000), cause)
-    step = policy.on_worker_failure(facts)
-    if isinstance(step, policy.Failed):
-        report_root_cause(registry, cause, claimed=False)  # the user's error closed the run
-        return step
-    if step is policy.FailureStep.IGNORE:
-        return None
-    if step is policy.FailureStep.PROBE and probe_members(registry, round_, settings.node_id)[0]:
-        return None  # a dead peer explains it: a membership change, free
-    claimed = registry.claim_failure(round_.number, facts.what)
-    repeated = report_root_cause(registry, cause, claimed=claimed)
-    if repeated is not None or not claimed:
-        return repeated  # None: another node of this round counts it
-    return policy.on_restart_counted(facts, registry.count_restart(), settings)
 
 
 def report_root_cause(registry: RunRegistry, cause: RootCause, *, claimed: bool

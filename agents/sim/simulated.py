@@ -3,10 +3,10 @@
 A :class:`SimulatedNode` registers on a real lease
 (:class:`~elastic_rt.rendezvous.lease.LeaseKeeper`), follows the run through the
 agent's own :class:`~agents.run_watch.RunWatch` and runs :func:`agents.policy.decide`
-on a thread, exactly as an agent does, with no workers: starting them only records
-the round. Dozens fit in one process, which is
-how the integration tests put many nodes on one etcd (agents/sim/swarm.py holds
-a thousand for the benchmark).
+through the agent's own dispatcher (:mod:`agents.dispatch`) on a thread, exactly as an
+agent does, with no workers: starting them only records the round. Dozens fit in one
+process, which is how the integration tests put many nodes on one etcd
+(agents/sim/swarm.py holds a thousand for the benchmark).
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NoReturn
 
 from agents import policy
 from agents.inbox import Inbox
+from agents.dispatch import Driver, Exited, carry_out
 from agents.policy import AgentState, Observation
 from agents.run_watch import RunWatch
 from agents.sim.counting import CountingKV, OpCounter
+from agents.sim.workerless import Workerless
 from elastic_rt.config import DEFAULT_LEASE_TTL
 from elastic_rt.errors import RendezvousTimeoutError, StoreError
 from elastic_rt.rendezvous import rounds
@@ -34,7 +36,7 @@ from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round
 logger = logging.getLogger(__name__)
 
 
-class SimulatedNode:
+class SimulatedNode(Workerless):
     """One rendezvous participant on a thread: registration, lease, decisions, no workers.
 
     Args:
@@ -71,13 +73,11 @@ class SimulatedNode:
         self.watch = RunWatch(self.registry, self.inbox)
         self.keeper = LeaseKeeper(self.registry, self.info, ttl, on_fenced=self._on_fenced,
                                   register=lambda lease: self.watch.join(self.info, lease))
-        self.state = AgentState()
+        self.driver = Driver(self.settings)
         self.rounds: list[Round] = []
         """Every round this node took part in, in order (one entry per round number)."""
         self.proposed: list[Round] = []
         """Rounds this node wrote (it won the compare)."""
-        self.last_action: rounds.Action | None = None
-        """The last round decision (Wait, Participate, ...) the node acted on."""
         self.error: BaseException | None = None
         self.fenced: list[str] = []
         self._changed = threading.Condition()
@@ -107,6 +107,15 @@ class SimulatedNode:
         self.stop(revoke=False)
 
     # observation -------------------------------------------------------------------
+    @property
+    def state(self) -> AgentState:
+        return self.driver.state
+
+    @property
+    def last_action(self) -> rounds.Action | None:
+        """The last round decision (Wait, Participate, ...) the node acted on."""
+        return self.driver.rendezvous
+
     @property
     def current(self) -> Round | None:
         with self._changed:
@@ -149,48 +158,54 @@ class SimulatedNode:
 
     def _step(self) -> None:
         if self.inbox.take_fenced():
-            self.state = policy.fenced(self.state)
-        decision = policy.decide(self.state, self._observe(), self.settings)
-        self.state = decision.state
-        if decision.rendezvous is not None:
-            self.last_action = decision.rendezvous
-        for action in decision.actions:
-            self._act(action)
+            carry_out(self, self.driver, policy.Fenced())
+        carry_out(self, self.driver, self._observe())
 
     def _observe(self) -> Observation:
         snapshot, store_error = self.watch.read(self.state, self.settings)
         return Observation(now=time.monotonic(), now_ms=int(time.time() * 1000),
                            snapshot=snapshot, store_error=store_error)
 
-    def _act(self, action: policy.Action) -> None:
-        if isinstance(action, policy.Exit):
-            self._stop.set()
-        elif isinstance(action, policy.ProposeRound):
-            self._propose(action.proposal)
-        elif isinstance(action, (policy.StartWorkers, policy.FollowRound)):
-            self._record(action.round)
-            self.state = policy.started(self.state, action.round)
-        elif isinstance(action, policy.StopWorkers):
-            self.state = policy.stopped(self.state)
-        elif isinstance(action, policy.CloseRun):
-            self.registry.close(policy.closed_record(action.outcome))
-        elif isinstance(action, policy.JoinTimedOut):
-            raise RendezvousTimeoutError(f"only {action.registered} nodes joined",
-                                         "Start more simulated nodes.")
-        elif isinstance(action, policy.Sleep):
-            self.inbox.sleep(action.seconds)
-        # Failures, successes, alarms and acks come from workers, which this node lacks.
-
-    def _propose(self, proposal: rounds.Propose) -> None:
+    # the hands (agents.dispatch): the agent's, without workers -------------------------
+    def propose(self, action: policy.ProposeRound) -> None:
         self.inbox.reread()
         try:
-            written = self.watch.propose(proposal)
+            written = self.watch.propose(action.proposal)
         except StoreError as exc:
             logger.debug("%s: proposal failed: %s", self.node_id, exc)
             return
         if written is not None:
             with self._changed:
                 self.proposed.append(written)
+
+    def start_workers(self, action: policy.StartWorkers) -> policy.WorkersStarted:
+        """Starting workers only records the round."""
+        self._record(action.round)
+        return policy.WorkersStarted(action.round, action.restart_count)
+
+    def follow_round(self, action: policy.FollowRound) -> policy.RoundFollowed:
+        self._record(action.round)
+        return policy.RoundFollowed(action.round, now=time.monotonic())
+
+    def stop_workers(self, action: policy.StopWorkers) -> None:
+        pass
+
+    def register(self, action: policy.Register) -> policy.Registered:
+        return policy.Registered()  # the node's lease keeper registers again by itself
+
+    def close_run(self, action: policy.CloseRun) -> None:
+        self.registry.close(policy.closed_record(action.outcome))
+
+    def exit(self, action: policy.Exit) -> Exited:
+        self._stop.set()
+        return Exited(policy.exit_code(action.outcome))
+
+    def join_timed_out(self, action: policy.JoinTimedOut) -> NoReturn:
+        raise RendezvousTimeoutError(f"only {action.registered} nodes joined",
+                                     "Start more simulated nodes.")
+
+    def sleep(self, action: policy.Sleep) -> None:
+        self.inbox.sleep(action.seconds)
 
     def _record(self, round_: Round) -> None:
         with self._changed:

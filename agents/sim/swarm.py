@@ -25,15 +25,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, NoReturn, TypeVar
 
 from agents import policy
 from agents.inbox import Inbox
-from agents.policy import AgentState, Observation
+from agents.dispatch import Driver, carry_out_async
+from agents.policy import Observation
 from agents.sim.counting import OpCounter
 from agents.sim.etcd_aio import AioEtcdKV
 from agents.sim.run_watch_aio import AioRunWatch
 from agents.sim.simulated import simulated_settings
+from agents.sim.workerless import Workerless
 from elastic_rt.errors import StoreError
 from elastic_rt.rendezvous.registry import RunRequests
 from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Round
@@ -228,7 +230,7 @@ class Swarm:
                              return_exceptions=True)
 
 
-class SwarmNode:
+class SwarmNode(Workerless):
     """One participant: own lease and key, the agent's decisions, shared channels.
 
     It follows the run as an agent does, with the agent's
@@ -258,7 +260,7 @@ class SwarmNode:
         self.inbox = Inbox()
         self._wake = asyncio.Event()
         self.watch = AioRunWatch(swarm.requests, self.kv, self.inbox, on_change=self._wake.set)
-        self.state = AgentState()
+        self.driver = Driver(self.settings)
         self.lease = 0
         self.rounds: list[Round] = []
         """Every round this node took part in, in order."""
@@ -315,48 +317,69 @@ class SwarmNode:
 
     async def _step(self) -> None:
         if self.inbox.take_fenced():
-            self.state = policy.fenced(self.state)
-        snapshot, store_error = await self.watch.read(self.state, self.settings)
+            await carry_out_async(self, self.driver, policy.Fenced())
+        snapshot, store_error = await self.watch.read(self.driver.state, self.settings)
         if store_error:
             self.swarm.retries.add("store_error")
         obs = Observation(now=time.monotonic(), now_ms=int(time.time() * 1000),
                           snapshot=snapshot, store_error=store_error)
-        decision = policy.decide(self.state, obs, self.settings)
-        self.state = decision.state
-        for action in decision.actions:
-            await self._act(action)
+        await carry_out_async(self, self.driver, obs)
 
-    async def _act(self, action: policy.Action) -> None:
-        if isinstance(action, policy.ProposeRound):
-            self.inbox.reread()
-            try:
-                written = await self.swarm.call(self.watch.propose(action.proposal))
-            except StoreError:
-                self.swarm.retries.add("store_error")
-                return
-            if written is None:
-                self.swarm.retries.add("lost_proposal")
-            else:
-                self.proposed.append(written)
-                self.proposed_at.append(time.monotonic())
-        elif isinstance(action, (policy.StartWorkers, policy.FollowRound)):
-            if not self.rounds or self.rounds[-1].number != action.round.number:
-                self.rounds.append(action.round)
-                self._round_seen.set()
-                if self.swarm.tally is not None:
-                    self.swarm.tally.saw(self.node_id, action.round)
-            self.state = policy.started(self.state, action.round)
-        elif isinstance(action, policy.StopWorkers):
-            self.state = policy.stopped(self.state)
-        elif isinstance(action, policy.Sleep):
-            # Until woken or the time is up; a timer that sets the same event costs
-            # the loop less than wait_for's extra task, a thousand nodes at a time.
-            timer = asyncio.get_running_loop().call_later(action.seconds, self._wake.set)
-            await self._wake.wait()
-            timer.cancel()
-            self._wake.clear()
-        elif isinstance(action, (policy.Exit, policy.CloseRun, policy.JoinTimedOut)):
-            raise RuntimeError(f"{self.node_id}: unexpected {action} in a rendezvous swarm")
+    # the hands (agents.dispatch): the agent's, without workers, awaited -----------------
+    async def propose(self, action: policy.ProposeRound) -> None:
+        self.inbox.reread()
+        try:
+            written = await self.swarm.call(self.watch.propose(action.proposal))
+        except StoreError:
+            self.swarm.retries.add("store_error")
+            return
+        if written is None:
+            self.swarm.retries.add("lost_proposal")
+        else:
+            self.proposed.append(written)
+            self.proposed_at.append(time.monotonic())
+
+    async def start_workers(self, action: policy.StartWorkers) -> policy.WorkersStarted:
+        """Starting workers only records the round."""
+        self._record(action.round)
+        return policy.WorkersStarted(action.round, action.restart_count)
+
+    async def follow_round(self, action: policy.FollowRound) -> policy.RoundFollowed:
+        self._record(action.round)
+        return policy.RoundFollowed(action.round, now=time.monotonic())
+
+    def _record(self, round_: Round) -> None:
+        if not self.rounds or self.rounds[-1].number != round_.number:
+            self.rounds.append(round_)
+            self._round_seen.set()
+            if self.swarm.tally is not None:
+                self.swarm.tally.saw(self.node_id, round_)
+
+    async def stop_workers(self, action: policy.StopWorkers) -> None:
+        pass
+
+    async def register(self, action: policy.Register) -> policy.Registered:
+        return policy.Registered()  # _lease_lost registered the node again already
+
+    async def sleep(self, action: policy.Sleep) -> None:
+        # Until woken or the time is up; a timer that sets the same event costs
+        # the loop less than wait_for's extra task, a thousand nodes at a time.
+        timer = asyncio.get_running_loop().call_later(action.seconds, self._wake.set)
+        await self._wake.wait()
+        timer.cancel()
+        self._wake.clear()
+
+    def close_run(self, action: policy.CloseRun) -> NoReturn:
+        self._unexpected(action)
+
+    def exit(self, action: policy.Exit) -> NoReturn:
+        self._unexpected(action)
+
+    def join_timed_out(self, action: policy.JoinTimedOut) -> NoReturn:
+        self._unexpected(action)
+
+    def _unexpected(self, action: policy.Action) -> NoReturn:
+        raise RuntimeError(f"{self.node_id}: unexpected {action} in a rendezvous swarm")
 
     async def _lease_lost(self) -> None:
         """The lease expired: the node is fenced and registers afresh, as an agent does."""

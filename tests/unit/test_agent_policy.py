@@ -61,6 +61,17 @@ def kinds(decision: policy.Decision) -> list[str]:
     return [type(a).__name__ for a in decision.actions]
 
 
+def after(state: AgentState, *observed: policy.Observed) -> AgentState:
+    """The state once each of ``observed`` was decided on, in order."""
+    for obs in observed:
+        state = policy.decide(state, obs, SETTINGS).state
+    return state
+
+
+def following(state: AgentState, round_: Round, now: float = NOW) -> AgentState:
+    return after(state, policy.RoundFollowed(round_, now=now))
+
+
 # outcomes ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("outcome", "code"), [
     (Finished("finished"), 0),
@@ -165,11 +176,16 @@ def test_last_call_start_is_kept_in_the_state() -> None:
 
 
 def test_starting_and_following_move_the_state() -> None:
-    first = policy.started(AgentState(), R1)
+    start = policy.decide(AgentState(), observe(workers=WorkerState.IDLE), SETTINGS)
+    assert start.actions == (policy.StartWorkers(R1, restart_count=0),)
+    first = after(start.state, policy.WorkersStarted(R1, restart_count=0))
     assert (first.phase, first.round, first.restart_count) == (Phase.RUNNING, R1, 0)
-    again = policy.started(policy.stopped(first), R2)
+    restart = policy.decide(first, observe(Snapshot(round=R2, nodes=nodes("a", "b", "c"))),
+                            SETTINGS)
+    assert restart.actions[-1] == policy.StartWorkers(R2, restart_count=1)
+    again = after(restart.state, policy.WorkersStarted(R2, restart_count=1))
     assert again.restart_count == 1  # torchrun's restart count
-    follow = policy.following(first, R2, now=NOW, reform_timeout=timedelta(seconds=30))
+    follow = following(first, R2)
     assert (follow.phase, follow.round, follow.ack_deadline) == (Phase.REFORMING, R2, NOW + 30)
 
 
@@ -180,7 +196,7 @@ def test_starting_and_following_move_the_state() -> None:
 ])
 def test_reforming_workers_settle_or_are_restarted(acks: tuple[int, ...], now: float,
                                                    actions: list[str], phase: Phase) -> None:
-    state = policy.following(RUNNING_R1, R2, now=NOW, reform_timeout=timedelta(seconds=30))
+    state = following(RUNNING_R1, R2)
     obs = dataclasses.replace(observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")), acks=acks),
                               now=now)
     decision = policy.decide(state, obs, SETTINGS)
@@ -195,9 +211,10 @@ def test_in_process_recovery_is_published_once() -> None:
 
 
 def test_a_fenced_node_asks_for_a_restart_round_when_its_round_still_stands() -> None:
-    fenced = policy.registered(policy.fenced(RUNNING_R1))  # restart mode: registered again
+    fenced = after(RUNNING_R1, policy.Fenced(), policy.Registered())  # restart mode
     assert (fenced.phase, fenced.round, fenced.running) == (Phase.FENCED, R1, None)
-    assert policy.fenced(fenced) == policy.fenced(RUNNING_R1)  # still the round to rejoin
+    # still the round to rejoin
+    assert after(fenced, policy.Fenced()) == after(RUNNING_R1, policy.Fenced())
     decision = policy.decide(fenced, observe(workers=WorkerState.IDLE), SETTINGS)
     (action,) = decision.actions
     assert isinstance(action, policy.ProposeRound)
@@ -206,27 +223,32 @@ def test_a_fenced_node_asks_for_a_restart_round_when_its_round_still_stands() ->
     assert decision.state.phase is Phase.IDLE
     moved_on = policy.decide(fenced, observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")),
                                              WorkerState.IDLE), SETTINGS)
-    assert moved_on.actions == (policy.StartWorkers(R2),)
+    assert moved_on.actions == (policy.StartWorkers(R2, restart_count=1),)
 
 
-FENCED_R1 = policy.fenced(RUNNING_R1)
+FENCED_R1 = after(RUNNING_R1, policy.Fenced())
 
 
-@pytest.mark.parametrize(("snapshot", "action"), [
+def rejoin_in_standby(round_: Round) -> tuple[policy.Action, ...]:
+    return (policy.RevokeLostLease(),
+            policy.StartInStandby(round_, restart_count=1, first=False, register=True))
+
+
+@pytest.mark.parametrize(("snapshot", "actions"), [
     # in place: the survivors re-formed without us, or not yet (we are still listed)
-    (Snapshot(round=R2, nodes=nodes("b", "c"), in_process=True), policy.RejoinInStandby(R2)),
-    (Snapshot(round=R1, nodes=nodes("a", "b"), in_process=True), policy.RejoinInStandby(R1)),
+    (Snapshot(round=R2, nodes=nodes("b", "c"), in_process=True), rejoin_in_standby(R2)),
+    (Snapshot(round=R1, nodes=nodes("a", "b"), in_process=True), rejoin_in_standby(R1)),
     # restart mode, or a job ending: register, and the next round restarts us (or ends)
-    (Snapshot(round=R2, nodes=nodes("b", "c")), policy.Register()),
+    (Snapshot(round=R2, nodes=nodes("b", "c")), (policy.Register(),)),
     (Snapshot(round=R1, nodes=nodes("a", "b"), in_process=True, completing=True),
-     policy.Register()),
+     (policy.Register(),)),
 ])
 def test_a_fenced_node_registers_again_only_through_the_standby_start_when_in_place(
-        snapshot: Snapshot, action: policy.Action) -> None:
+        snapshot: Snapshot, actions: tuple[policy.Action, ...]) -> None:
     assert not FENCED_R1.registered
     decision = policy.decide(FENCED_R1, observe(snapshot, WorkerState.IDLE), SETTINGS)
-    assert decision.actions == (action,)
-    assert decision.state == FENCED_R1  # the agent says when it has registered
+    assert decision.actions == actions
+    assert decision.state == FENCED_R1  # registering comes back as an observation
 
 
 def test_a_fenced_node_whose_run_closed_leaves_without_registering() -> None:
@@ -238,7 +260,7 @@ def test_a_fenced_node_whose_run_closed_leaves_without_registering() -> None:
 def test_a_new_alarm_in_our_round_is_answered_once() -> None:
     alarmed = dataclasses.replace(IN_R1, alarm=(1, 900))
     first = policy.decide(RUNNING_R1, observe(alarmed), SETTINGS)
-    assert first.actions == (policy.AnswerAlarm(R1),) and first.state.alarm_seen == 900
+    assert first.actions == (policy.ProbePeers(R1),) and first.state.alarm_seen == 900
     assert kinds(policy.decide(first.state, observe(alarmed), SETTINGS)) == ["Sleep"]
     stale = dataclasses.replace(IN_R1, alarm=(0, 901))  # an older round's alarm
     assert kinds(policy.decide(first.state, observe(stale), SETTINGS)) == ["Sleep"]
@@ -309,7 +331,7 @@ def test_a_follower_without_registrations_never_reads_them_as_everyone_gone() ->
     (RUNNING_R1, False, 1.0, True),
     (RUNNING_R1, True, 0.0, True),
     (AgentState(), False, 0.0, True),
-    (policy.following(RUNNING_R1, R2, now=NOW, reform_timeout=timedelta(1)), False, 0.0, True),
+    (following(RUNNING_R1, R2), False, 0.0, True),
 ])
 def test_should_read(state: AgentState, dirty: bool, since: float, read: bool) -> None:
     assert policy.should_read(state, dirty=dirty, since_read=since, settings=SETTINGS) is read
@@ -444,3 +466,166 @@ def test_a_spent_budget_names_the_exception() -> None:
     verdict = policy.on_restart_counted(facts, SETTINGS.max_restarts + 1, SETTINGS)
     assert isinstance(verdict, Failed)
     assert "ValueError: bad" in verdict.reason and "budget of 2 is spent" in verdict.reason
+
+
+# what the agent used to apply itself, now results fed back to decide ----------------------
+STANDBY_R1 = dataclasses.replace(R1, number=-1)
+FOLLOWING_R2 = dataclasses.replace(RUNNING_R1, phase=Phase.REFORMING, round=R2,
+                                   ack_deadline=NOW + 30)
+TRANSITIONS = [
+    # (name, state, observation, actions, state after)
+    ("workers started: running, first start", AgentState(), policy.WorkersStarted(R1, 0), (),
+     RUNNING_R1),
+    ("workers started again: the restart is counted", dataclasses.replace(RUNNING_R1, round=None,
+                                                                          phase=Phase.IDLE),
+     policy.WorkersStarted(R2, 1), (),
+     dataclasses.replace(RUNNING_R1, round=R2, restart_count=1)),
+    ("store agreed for a re-form: follow until the ack deadline", RUNNING_R1,
+     policy.RoundFollowed(R2, now=NOW), (), FOLLOWING_R2),
+    ("joining in place: standby workers first", AgentState(), policy.JoiningInPlace(R1),
+     (policy.StartInStandby(R1, restart_count=0, first=True, register=True),), AgentState()),
+    ("standby workers announced: wait to be admitted", AgentState(),
+     policy.StandbyStarted(R1, 0, announced=True, registered=True), (),
+     AgentState(phase=Phase.STANDBY, round=STANDBY_R1, ever_ran=True)),
+    ("standby workers replacing failed ones: a restart", dataclasses.replace(
+        FENCED_R1, phase=Phase.IDLE, round=None),
+     policy.StandbyStarted(R1, 1, announced=True, registered=True), (),
+     dataclasses.replace(FENCED_R1, phase=Phase.STANDBY, round=STANDBY_R1, restart_count=1,
+                         registered=True)),
+    ("standby workers too slow: stopped, join the normal way", AgentState(),
+     policy.StandbyStarted(R1, 0, announced=False, registered=True),
+     (policy.StopWorkers("standby workers did not start in time"),), AgentState(ever_ran=True)),
+    ("standby under the kept lease: still unregistered if fenced", FENCED_R1,
+     policy.StandbyStarted(R1, 1, announced=True, registered=False), (),
+     dataclasses.replace(FENCED_R1, phase=Phase.STANDBY, round=STANDBY_R1, restart_count=1)),
+    ("fenced: stop the workers, remember the round", RUNNING_R1, policy.Fenced(),
+     (policy.StopWorkers("the lease was lost"),),
+     dataclasses.replace(RUNNING_R1, phase=Phase.FENCED, registered=False)),
+    ("fenced with no workers: no round to rejoin", AgentState(), policy.Fenced(),
+     (policy.StopWorkers("the lease was lost"),),
+     AgentState(phase=Phase.FENCED, registered=False)),
+    ("registered again", FENCED_R1, policy.Registered(), (),
+     dataclasses.replace(FENCED_R1, registered=True)),
+    ("registering failed: retry later", FENCED_R1, policy.RegisterFailed(),
+     (policy.Sleep(0.5),), FENCED_R1),
+]
+
+
+@pytest.mark.parametrize(("state", "obs", "actions", "after_"),
+                         [case[1:] for case in TRANSITIONS], ids=[case[0] for case in TRANSITIONS])
+def test_results_of_actions_move_the_state(state: AgentState, obs: policy.Observed,
+                                           actions: tuple[policy.Action, ...],
+                                           after_: AgentState) -> None:
+    decision = policy.decide(state, obs, SETTINGS)
+    assert decision.actions == actions
+    assert decision.state == after_
+
+
+# settling a failure: a phase of decide ----------------------------------------------------
+def seen(snapshot: Snapshot, *, in_process: bool = False,
+         cause_: RootCause | None = None) -> policy.FailureSeen:
+    return policy.FailureSeen(FailureFacts(R1, snapshot, in_process, FAIL, "a", now_ms=5,
+                                           cause=cause_))
+
+
+def settling(facts_: FailureFacts) -> AgentState:
+    return AgentState(phase=Phase.SETTLING, ever_ran=True, failure=facts_)
+
+
+WHAT = "worker 0 on a exited with 3"
+CLAIM = policy.ClaimFailure(R1, WHAT, None)
+CLOSED_BY_USER = dataclasses.replace(IN_R1, closed="failed: rank 0 failed at step 5: KeyError")
+SETTLE_STARTS = [
+    # (name, failure seen, actions, phase after)
+    ("the user's error closed the run: report, close, exit", seen(CLOSED_BY_USER, cause_=cause(1)),
+     ["ReportRootCause", "CloseRun", "Exit"], Phase.IDLE),
+    ("the round changed under restart-mode workers: free", seen(
+        Snapshot(round=R2, nodes=nodes("a", "b", "c"))), [], Phase.IDLE),
+    ("same round: probe the peers first", seen(IN_R1), ["ProbePeers"], Phase.SETTLING),
+    ("in-process, round changed: claim at once", seen(
+        Snapshot(round=R2, nodes=nodes("a", "b", "c")), in_process=True), ["ClaimFailure"],
+     Phase.SETTLING),
+]
+
+
+@pytest.mark.parametrize(("obs", "actions", "phase"), [case[1:] for case in SETTLE_STARTS],
+                         ids=[case[0] for case in SETTLE_STARTS])
+def test_a_failure_seen_starts_settling_with_the_workers_stopped(
+        obs: policy.FailureSeen, actions: list[str], phase: Phase) -> None:
+    decision = policy.decide(RUNNING_R1, obs, SETTINGS)
+    assert kinds(decision) == actions
+    assert decision.state.phase is phase and decision.state.running is None
+    assert decision.state.failure == (obs.facts if phase is Phase.SETTLING else None)
+
+
+SETTLING_R1 = settling(facts(IN_R1))
+SETTLING_IN_PLACE = settling(facts(IN_R1, in_process=True))
+SETTLING_3 = settling(facts(Snapshot(round=round_of("a", "b", "c"), nodes=nodes("a", "b", "c")),
+                            in_process=True))
+LOOK = observe(None)
+SETTLE_STEPS = [
+    # (name, state, observation, actions, settled)
+    ("a dead peer explains it: free", SETTLING_R1, policy.PeersProbed(R1, ("b",), (), LOOK), [],
+     True),
+    ("every peer answers: claim it", SETTLING_R1, policy.PeersProbed(R1, (), (), LOOK),
+     ["ClaimFailure"], False),
+    ("another node claimed it", SETTLING_R1, policy.FailureClaimed(False, None), [], True),
+    ("claimed: count it", SETTLING_R1, policy.FailureClaimed(True, None), ["CountRestart"],
+     False),
+    ("the same failure again: close the run", SETTLING_R1,
+     policy.FailureClaimed(True, Failed("again")), ["CloseRun", "Exit"], True),
+    ("counted, restart mode: a restart round", SETTLING_R1, policy.RestartCounted(1),
+     ["ProposeRound"], True),
+    ("counted past the budget: close the run", SETTLING_R1, policy.RestartCounted(3),
+     ["CloseRun", "Exit"], True),
+    ("counted, in place above min: step out, replacements in standby", SETTLING_3,
+     policy.RestartCounted(1), ["LeaveRound", "StartInStandby"], True),
+    ("counted, in place at min: re-form without our ranks", SETTLING_IN_PLACE,
+     policy.RestartCounted(1), ["ReformWithoutUs"], False),
+]
+
+
+@pytest.mark.parametrize(("state", "obs", "actions", "settled"),
+                         [case[1:] for case in SETTLE_STEPS],
+                         ids=[case[0] for case in SETTLE_STEPS])
+def test_each_fact_about_a_failure_takes_the_settling_one_step_further(
+        state: AgentState, obs: policy.Observed, actions: list[str], settled: bool) -> None:
+    decision = policy.decide(state, obs, SETTINGS)
+    assert kinds(decision) == actions
+    assert (decision.state.phase is Phase.IDLE and decision.state.failure is None) is settled
+    if not settled:
+        assert decision.state == state
+
+
+def test_replacements_started_in_standby_keep_the_lease_and_count_a_restart() -> None:
+    step = policy.decide(SETTLING_IN_PLACE, policy.RestartCounted(1), SETTINGS)
+    (reform,) = step.actions
+    assert isinstance(reform, policy.ReformWithoutUs)
+    without = reform.proposal.proposal.round
+    assert without.nprocs == (0, 1)
+    written = policy.ReformWritten(without, reform.why, current=without, now_ms=6)
+    done = policy.decide(step.state, written, SETTINGS)
+    assert done.actions == (policy.StartInStandby(without, restart_count=1, first=False,
+                                                  register=False),)
+    assert done.state.phase is Phase.IDLE
+    # A peer's alarm wrote a round with our ranks meanwhile: written without them again.
+    theirs = dataclasses.replace(R1, number=2, token=55)
+    again = policy.decide(step.state, dataclasses.replace(written, current=theirs), SETTINGS)
+    assert kinds(again) == ["ProposeRound", "StartInStandby"]
+    proposal = again.actions[0]
+    assert isinstance(proposal, policy.ProposeRound)
+    assert proposal.proposal.round.nprocs == (0, 1) and proposal.proposal.expected_token == 55
+
+
+@pytest.mark.parametrize(("dead", "unsure", "workers", "actions"), [
+    (("b",), (), WorkerState.RUNNING, []),  # evicted: the next round handles it
+    ((), (), WorkerState.RUNNING, ["ProposeRound"]),  # all answer: re-form
+    ((), ("b",), WorkerState.RUNNING, ["Sleep"]),  # hung: its lease decides; carry on
+    ((), (), WorkerState.FAILED, ["HandleFailure"]),  # our own worker died: settle it
+])
+def test_an_alarm_is_answered_from_the_probes_outside_any_failure(
+        dead: tuple[str, ...], unsure: tuple[str, ...], workers: WorkerState,
+        actions: list[str]) -> None:
+    look = observe(None, workers, exits=(FAIL,) if workers is WorkerState.FAILED else ())
+    decision = policy.decide(RUNNING_R1, policy.PeersProbed(R1, dead, unsure, look), SETTINGS)
+    assert kinds(decision) == actions

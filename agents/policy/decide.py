@@ -1,0 +1,86 @@
+"""The agent's one decision: its next state and actions, from what it just observed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from agents.policy import failures, running
+from agents.policy.actions import Decision, Sleep, StartInStandby, StopWorkers
+from agents.policy.observations import (
+    FailureClaimed,
+    FailureSeen,
+    Fenced,
+    JoiningInPlace,
+    Observation,
+    Observed,
+    PeersProbed,
+    ReformWritten,
+    Registered,
+    RegisterFailed,
+    RestartCounted,
+    RoundFollowed,
+    StandbyStarted,
+    WorkersStarted,
+)
+from agents.policy.state import AgentState, Phase, Settings
+
+
+def decide(state: AgentState, obs: Observed, settings: Settings) -> Decision:
+    """What the agent does next. Pure, and the only function that returns a new state."""
+    match obs:
+        case Observation():
+            return running.on_look(state, obs, settings)
+        case Fenced():
+            return Decision(_fenced(state), (StopWorkers("the lease was lost"),))
+        case WorkersStarted():
+            return Decision(dataclasses.replace(
+                state, phase=Phase.RUNNING, round=obs.round, ever_ran=True,
+                restart_count=obs.restart_count), ())  # fmt: skip
+        case RoundFollowed():
+            return Decision(dataclasses.replace(
+                state, phase=Phase.REFORMING, round=obs.round,
+                ack_deadline=obs.now + settings.reform_timeout.total_seconds()), ())  # fmt: skip
+        case JoiningInPlace():
+            return Decision(state, (StartInStandby(obs.round, state.restart_count,
+                                                   first=not state.ever_ran, register=True),))
+        case StandbyStarted():
+            return _standby_started(state, obs)
+        case Registered():
+            return Decision(dataclasses.replace(state, registered=True), ())
+        case RegisterFailed():
+            return Decision(state, (Sleep(settings.retry_after.total_seconds()),))
+        case FailureSeen():
+            return failures.on_failure_seen(state, obs)
+        case PeersProbed():
+            return failures.on_peers_probed(state, obs, settings)
+        case FailureClaimed():
+            return failures.on_failure_claimed(state, obs)
+        case RestartCounted():
+            return failures.on_counted(state, obs, settings)
+        case ReformWritten():
+            return failures.on_reform_written(state, obs, settings)
+
+
+def _fenced(state: AgentState) -> AgentState:
+    """The lease thread stopped the workers: remember the round to rejoin."""
+    if state.phase is Phase.FENCED:
+        # fenced again before rejoining: still the same round to rejoin
+        return dataclasses.replace(state, registered=False)
+    return dataclasses.replace(state, phase=Phase.FENCED, round=state.running, registered=False,
+                               failure=None)
+
+
+def _standby_started(state: AgentState, obs: StandbyStarted) -> Decision:
+    """The workers started outside any round; in standby if they announced themselves.
+
+    Either way they belong to no round yet: the round that admits us (even the current
+    one, if it still lists us) then starts through FollowRound and gets its store
+    published.
+    """
+    state = dataclasses.replace(state, ever_ran=True, restart_count=obs.restart_count,
+                                registered=state.registered or obs.registered)
+    if not obs.announced:
+        return Decision(running.stopped(state),
+                        (StopWorkers("standby workers did not start in time"),))
+    return Decision(dataclasses.replace(state, phase=Phase.STANDBY,
+                                        round=dataclasses.replace(obs.round, number=-1)), ())

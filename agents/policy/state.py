@@ -1,0 +1,94 @@
+"""What a node's agent remembers between two decisions, and its fixed rules.
+
+Only :func:`agents.policy.decide` makes a new :class:`AgentState`; the agent and the
+simulators hold the one it returned and hand it back with the next observation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import timedelta
+
+from agents.policy.observations import FailureFacts
+from elastic_rt.config import (
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_MONITOR_INTERVAL,
+    DEFAULT_REFORM_TIMEOUT,
+)
+from elastic_rt.rendezvous.rounds import Limits, Round
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    """No workers: before the first round, or after stopping them."""
+    RUNNING = "running"
+    """Workers run in ``state.round``."""
+    REFORMING = "reforming"
+    """In-process workers are joining ``state.round``, until ``state.ack_deadline``."""
+    STANDBY = "standby"
+    """In-process workers started outside any round wait to be admitted;
+    ``state.round`` is the round they will join, numbered -1 (they are in none)."""
+    FENCED = "fenced"
+    """The lease was lost and the workers stopped; ``state.round`` is the round the
+    node was cut from (None if it had none). Until ``state.registered`` the node is
+    not registered again (see :class:`StartInStandby`)."""
+    SETTLING = "settling"
+    """A local worker failed and the workers are stopped; what it costs the job is
+    being settled from ``state.failure`` (probe, claim, count: see failures.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentState:
+    """Everything the agent remembers between two decisions."""
+
+    phase: Phase = Phase.IDLE
+    round: Round | None = None
+    ack_deadline: float = 0.0
+    """Monotonic time by which REFORMING workers must acknowledge ``round``."""
+    restart_count: int = 0
+    """Times this node started its workers again (torchrun's restart count)."""
+    ever_ran: bool = False
+    quorum_since: float | None = None
+    """When the first round's last call started (see :func:`rounds.decide`)."""
+    alarm_seen: int = 0
+    """Revision of the last worker alarm answered."""
+    in_process_published: bool = False
+    registered: bool = True
+    """False from a fence until the node registers on a new lease."""
+    failure: FailureFacts | None = None
+    """While SETTLING: what was learned about the failure."""
+
+    @property
+    def running(self) -> Round | None:
+        """The round this node's workers belong to (or wait for, in standby)."""
+        return self.round if self.phase in _WITH_WORKERS else None
+
+    @property
+    def next_restart_count(self) -> int:
+        """The restart count of workers started afresh now: a restart unless the first."""
+        return self.restart_count + (1 if self.ever_ran else 0)
+
+
+_WITH_WORKERS = (Phase.RUNNING, Phase.REFORMING, Phase.STANDBY)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The node's fixed rules: limits, timings and the restart budget."""
+
+    node_id: str
+    limits: Limits
+    monitor_interval: timedelta = DEFAULT_MONITOR_INTERVAL
+    """Between two looks at the workers."""
+    wait_poll: timedelta = timedelta(seconds=0.5)
+    """Between two reads while waiting for a round."""
+    reread_every: timedelta = timedelta(seconds=1)
+    """At least this often the run is re-read while nothing wakes the agent."""
+    retry_after: timedelta = timedelta(seconds=0.5)
+    """After etcd did not answer."""
+    join_timeout: timedelta = timedelta.max
+    reform_timeout: timedelta = DEFAULT_REFORM_TIMEOUT
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    nproc: int = 1
+    """Workers this node runs (the ranks it asks back after its workers are replaced)."""
