@@ -5,59 +5,45 @@ from __future__ import annotations
 import dataclasses
 
 from agents.policy import failures, running
+from agents.policy import observations as seen
 from agents.policy.actions import Decision, Sleep, StartInStandby, StopWorkers
-from agents.policy.observations import (
-    FailureClaimed,
-    FailureSeen,
-    Fenced,
-    JoiningInPlace,
-    Observation,
-    Observed,
-    PeersProbed,
-    ReformWritten,
-    Registered,
-    RegisterFailed,
-    RestartCounted,
-    RoundFollowed,
-    StandbyStarted,
-    WorkersStarted,
-)
+from agents.policy.observations import Observed
 from agents.policy.state import AgentState, Phase, Settings
 
 
 def decide(state: AgentState, obs: Observed, settings: Settings) -> Decision:
     """What the agent does next. Pure, and the only function that returns a new state."""
     match obs:
-        case Observation():
+        case seen.Observation():
             return running.on_look(state, obs, settings)
-        case Fenced():
+        case seen.Fenced():
             return Decision(_fenced(state), (StopWorkers("the lease was lost"),))
-        case WorkersStarted():
+        case seen.WorkersStarted():
             return Decision(dataclasses.replace(
                 state, phase=Phase.RUNNING, round=obs.round, ever_ran=True,
                 restart_count=obs.restart_count), ())  # fmt: skip
-        case RoundFollowed():
+        case seen.RoundFollowed():
             return Decision(dataclasses.replace(
                 state, phase=Phase.REFORMING, round=obs.round,
                 ack_deadline=obs.now + settings.reform_timeout.total_seconds()), ())  # fmt: skip
-        case JoiningInPlace():
+        case seen.JoiningInPlace():
             return Decision(state, (StartInStandby(obs.round, state.restart_count,
                                                    first=not state.ever_ran, register=True),))
-        case StandbyStarted():
+        case seen.StandbyStarted():
             return _standby_started(state, obs)
-        case Registered():
+        case seen.Registered():
             return Decision(dataclasses.replace(state, registered=True), ())
-        case RegisterFailed():
+        case seen.RegisterFailed():
             return Decision(state, (Sleep(settings.retry_after.total_seconds()),))
-        case FailureSeen():
+        case seen.FailureSeen():
             return failures.on_failure_seen(state, obs)
-        case PeersProbed():
+        case seen.PeersProbed():
             return failures.on_peers_probed(state, obs, settings)
-        case FailureClaimed():
+        case seen.FailureClaimed():
             return failures.on_failure_claimed(state, obs)
-        case RestartCounted():
+        case seen.RestartCounted():
             return failures.on_counted(state, obs, settings)
-        case ReformWritten():
+        case seen.ReformWritten():
             return failures.on_reform_written(state, obs, settings)
 
 
@@ -70,7 +56,7 @@ def _fenced(state: AgentState) -> AgentState:
                                failure=None)
 
 
-def _standby_started(state: AgentState, obs: StandbyStarted) -> Decision:
+def _standby_started(state: AgentState, obs: seen.StandbyStarted) -> Decision:
     """The workers started outside any round; in standby if they announced themselves.
 
     Either way they belong to no round yet: the round that admits us (even the current
