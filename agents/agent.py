@@ -241,7 +241,8 @@ class Agent:
 
     # fencing, leaving, closing -----------------------------------------------------
     def _lease_keeper(self) -> LeaseKeeper:
-        # After a fence the loop registers again (see policy.RejoinInStandby), not the keeper.
+        # After a fence the loop registers again (policy.StartInStandby, policy.Register),
+        # not the keeper.
         return LeaseKeeper(self.registry, self.info, self.config.rendezvous.lease_ttl,
                            on_fenced=self._fence,
                            register=lambda lease: self.watch.join(self.info, lease),

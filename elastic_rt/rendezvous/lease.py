@@ -40,7 +40,7 @@ class LeaseKeeper:
             each fence; a store error it raises is retried at the next renewal.
         rejoin: register afresh by itself once the store answers after a fence; False:
             stop at the fence, and the owner registers again when it is ready (an agent
-            whose workers must start first, see ``agents.policy.RejoinInStandby``).
+            whose workers must start first, see ``agents.policy.StartInStandby``).
     """
 
     def __init__(

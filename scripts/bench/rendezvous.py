@@ -3,8 +3,8 @@
 elastic-rt's nodes run in a swarm (agents/sim/swarm.py): every node is a coroutine with
 its own lease, key and keep-alive that runs the agent's own code path (it follows the
 run through agents/run_copy.py, sends the registry's requests and decides with
-agents/policy.py, as agents/agent.py does), and its etcd calls go out over a few
-shared grpc.aio channels from the event loop of each of ``--processes`` slices
+agents/policy/ through agents/dispatch.py, as agents/agent.py does), and its etcd calls
+go out over a few shared grpc.aio channels from the event loop of each of ``--processes`` slices
 (agents/sim/swarm_slice.py), so 1024 nodes fit on two cores. Each phase is timed from
 its event (all nodes start; one node's lease is revoked, as an agent evicts a peer
 whose liveness socket refuses; one node starts) to every node holding the new round.

@@ -1,7 +1,8 @@
 """Rendezvous against a real etcd: many simulated nodes (threads) in one process.
 
 Each :class:`~agents.sim.simulated.SimulatedNode` has its own etcd client and lease
-keeper and runs the agent's own decisions (agents/policy.py); only the workers are missing.
+keeper and runs the agent's own decisions (agents/policy/, agents/dispatch.py); only the
+workers are missing.
 """
 
 from __future__ import annotations

@@ -123,3 +123,20 @@ def test_etcd_and_grpc_are_imported_by_the_etcd_seam_and_the_simulator_only() ->
     users = {name for name, path in _modules().items()
              if any(_within(t, "grpc") or _within(t, "etcd3") for t in _every_import(path))}
     assert users <= seam, sorted(users - seam)
+
+
+def test_the_policy_reaches_no_process_or_io_module() -> None:
+    """agents.policy decides over values: nothing it imports, however far, starts a
+    process, opens a socket or talks to etcd."""
+    graph, paths = _imports(), _modules()
+    policy = {m for m in graph if _within(m, "agents.policy")}
+    reached, todo = set(policy), list(policy)
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in reached:
+                reached.add(nxt)
+                todo.append(nxt)
+    io = ("psutil", "subprocess", "socket", "threading", "etcd3", "grpc")
+    users = sorted(f"{m} imports {t}" for m in reached for t in _every_import(paths[m])
+                   if any(_within(t, name) for name in io))
+    assert not users, "\n".join(users)

@@ -163,7 +163,7 @@ def test_a_fenced_node_rejoins_on_a_new_lease_and_restarts_its_round(nodes) -> N
     assert b.lease != old_lease and not b.watch.is_leader
     assert a.seen(lambda s: "b" in s.nodes, "b registered again").nodes["b"].lease == b.lease
     assert b.read().round == first  # the new view holds the round; the old watch is gone
-    # The rejoining node asks for a restart of its round (agents/policy.py), on a compare:
+    # The rejoining node asks for a restart of its round (agents/policy/running.py), on a compare:
     written = b.watch.propose(rounds.restart_round(first, "b rejoined after a fence", 0))
     assert written is not None and written.members == first.members  # ranks kept
     assert a.seen(lambda s: s.round is not None and s.round.number == 1, "round 1").round \
