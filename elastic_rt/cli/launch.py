@@ -17,13 +17,13 @@ import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from agents.output import OutputSpec, parse_ranks, parse_std
 from elastic_rt import config as cfg
 from elastic_rt.cli import flags, torchrun_flags
 from elastic_rt.errors import ConfigError
 
 if TYPE_CHECKING:
     from agents.config import AgentConfig
+    from agents.output import OutputSpec
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,8 @@ def _check_rendezvous_flags(args: argparse.Namespace, max_nodes: int) -> None:
 
 def _output(args: argparse.Namespace) -> OutputSpec:
     """torchrun's output flags -> where the workers' streams go (agents/output.py)."""
+    from agents.output import OutputSpec, parse_ranks, parse_std
+
     streams = "0-3 (1 stdout, 2 stderr, 3 both) or LOCAL_RANK:N pairs like 0:3,1:1"
     redirects = flags.flag(f"Pass -r {streams}.", lambda: parse_std(args.redirects, "--redirects"))
     tee = flags.flag(f"Pass -t {streams}.", lambda: parse_std(args.tee, "--tee"))

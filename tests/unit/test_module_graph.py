@@ -115,6 +115,14 @@ def test_the_library_imports_agents_only_from_the_cli() -> None:
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def test_the_cli_imports_agents_lazily() -> None:
+    """``elastic-rt status`` or ``checkpoint`` must not load the agent (nor a worker)."""
+    wrong = [f"{name} imports {target} at module level"
+             for name, targets in _imports().items() if name.startswith("elastic_rt.cli")
+             for target in targets if _within(target, "agents")]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
 def test_etcd_and_grpc_are_imported_by_the_etcd_seam_and_the_simulator_only() -> None:
     """The product's one etcd seam is etcd_kv (with its message and error modules); the
     simulator's asyncio client is the only other."""
