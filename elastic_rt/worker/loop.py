@@ -103,8 +103,8 @@ from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
 from elastic_rt.worker.hang import HangWatchdog, dump_stacks
 from elastic_rt.worker.progress import ProgressPublisher, StepClock
-from elastic_rt.worker.sharded_trainer import ShardedTrainer
-from elastic_rt.worker.replicated import StepFn, StepOptions
+from elastic_rt.worker.trainers.sharded.trainer import ShardedTrainer
+from elastic_rt.worker.trainers.runtime_step import StepFn, StepOptions
 from elastic_rt.worker.trainers import (
     BuildFn,
     OwnedStepTrainer,

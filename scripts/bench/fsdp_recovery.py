@@ -37,9 +37,9 @@ from elastic_rt.layout import Layout
 from elastic_rt.process_groups import destroy_groups, init_groups
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.context import Context
-from elastic_rt.worker.replicated import StepOptions
+from elastic_rt.worker.trainers.runtime_step import StepOptions
 from elastic_rt.worker.allocator import SHARDED_TRIM_THRESHOLD_BYTES, pin_heap
-from elastic_rt.worker.sharded_trainer import ShardedTrainer
+from elastic_rt.worker.trainers.sharded.trainer import ShardedTrainer
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers import Progress, Restoring
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_rt.worker.fsdp import RowSpec
-from elastic_rt.worker.piece_sync import Sources, fetch_rows
+from elastic_rt.worker.trainers.sharded.fsdp import RowSpec
+from elastic_rt.worker.trainers.sharded.row_fetch import Sources, fetch_rows
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from elastic_rt.layout import Layout
-from elastic_rt.worker.state_sync import broadcast_state
+from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 
 logger = logging.getLogger(__name__)
 

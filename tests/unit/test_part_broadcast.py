@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elastic_rt.layout import Layout
-from elastic_rt.worker.shard_sync import Holder, pick_shard_sources
+from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder, pick_shard_sources
 
 PP2 = Layout(dp=1, pp=2)
 DP2_PP2 = Layout(dp=2, pp=2)

@@ -30,24 +30,29 @@ from elastic_rt.layout import Layout
 from elastic_rt.process_groups import group_timeout, side_group
 from elastic_rt.worker.context import Context
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.worker.fsdp import (
+from elastic_rt.worker.trainers.sharded.fsdp import (
     ShardedGradients,
     load_whole,
     local_piece,
     row_targets,
     shard_train_state,
 )
-from elastic_rt.worker.peer_copies import PeerCopies, Ring, Snapshot, ring_holder
-from elastic_rt.worker.piece_sync import Holding, fetch_rows, gather_holdings, pick_piece_sources
-from elastic_rt.worker.replicated import (
+from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring, Snapshot, ring_holder
+from elastic_rt.worker.trainers.sharded.row_fetch import (
+    Holding,
+    fetch_rows,
+    gather_holdings,
+    pick_piece_sources,
+)
+from elastic_rt.worker.trainers.runtime_step import (
     ReplicatedStep,
     StepFn,
     StepOptions,
     initialize_optimizer_state,
 )
-from elastic_rt.worker.state_sync import broadcast_state
+from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 from elastic_rt.worker.train_state import TrainState
-from elastic_rt.worker.trainers import (
+from elastic_rt.worker.trainers.replicated import (
     BuildFn, Restoring, load_checkpoint_into, named_state, runtime_extra,
 )
 

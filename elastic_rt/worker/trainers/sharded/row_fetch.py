@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from elastic_rt.errors import ElasticError
 from elastic_rt.worker import abort
-from elastic_rt.worker.fsdp import Piece, RowSpec
-from elastic_rt.worker.state_sync import broadcast_state
+from elastic_rt.worker.trainers.sharded.fsdp import Piece, RowSpec
+from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,16 +24,16 @@ from elastic_rt.checkpoint.checkpointer import CheckpointInfo
 from elastic_rt.errors import CheckpointNotFoundError, ElasticError
 from elastic_rt.layout import Layout
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.worker.shard_sync import (
+from elastic_rt.worker.trainers.model_parallel.part_broadcast import (
     Holder,
     broadcast_shards,
     gather_holders,
     pick_shard_sources,
 )
-from elastic_rt.worker.state_sync import broadcast_state, pick_source
+from elastic_rt.worker.trainers.replica_broadcast import broadcast_state, pick_source
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.failures import user_code
-from elastic_rt.worker.replicated import (
+from elastic_rt.worker.trainers.runtime_step import (
     ReplicatedStep,
     StepFn,
     StepOptions,

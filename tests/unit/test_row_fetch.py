@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_rt.worker.piece_sync import (
+from elastic_rt.worker.trainers.sharded.row_fetch import (
     Holding,
     Sources,
     chunk_rows,
