@@ -1,19 +1,18 @@
-"""Restore model-parallel state after a re-form: from surviving shard replicas when they cover it.
+"""Restore a model-parallel round's parts from survivors, when they hold all of one cut.
 
-A script whose ``build(layout)`` returns an object that owns its step (a pipeline stage, a
-tensor shard) holds only part of the model on each rank. After a re-form every rank rebuilds
-its object for the new layout (the old one is bound to destroyed process groups), and needs
-the state of its new shard. That state can come from surviving ranks only when
+A *part* is what one rank holds of a model cut by pipeline and tensor parallelism: its
+``(pp, tp)`` coordinates. After a re-form every rank rebuilds its object for the new layout
+(the old one is bound to destroyed process groups) and needs the state of its new part.
+Survivors can give it only when
 
 * the new layout cuts the model the same way (same ``pp`` and ``tp``), and
-* every shard has a survivor that holds it *cleanly* at one common step: it finished that step
+* every part has a survivor that holds it *cleanly* at one common step: it finished that step
   and did not start the next. A rank whose step raised may have applied its optimizer update
   before a later collective failed, so its state is not trusted.
 
-Otherwise the caller falls back to the last committed checkpoint, resharded (DCP).
-
-:func:`pick_shard_sources` is the pure decision; :func:`gather_holders` and
-:func:`broadcast_shards` are the thin collective parts.
+The highest such step wins; otherwise the caller falls back to the last committed checkpoint,
+loaded into the new cut (DCP). :func:`pick_part_sources` is the pure decision;
+:func:`gather_holders` and :func:`broadcast_parts` are the thin collective parts.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 
 logger = logging.getLogger(__name__)
 
-Shard = tuple[int, int]
-"""A shard of the model: its ``(pp, tp)`` coordinates."""
+Part = tuple[int, int]
+"""A part of the model: its ``(pp, tp)`` coordinates."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,14 +40,14 @@ class Holder:
         step: the step its state is cleanly at, or -1 (nothing, or a step that raised).
         last_step: the last step it committed, -1 if it never held state; tells a fresh
             start (nobody held anything) from lost state, and how much work a rollback loses.
-        shard: the ``(pp, tp)`` shard it held, or None.
-        cut: the ``(pp, tp)`` degrees of the layout it held the shard under, or None.
+        part: the ``(pp, tp)`` part it held, or None.
+        cut: the ``(pp, tp)`` degrees of the layout it held the part under, or None.
     """
 
     step: int
     last_step: int
-    shard: Shard | None
-    cut: Shard | None
+    part: Part | None
+    cut: Part | None
 
     @classmethod
     def of(cls, *, step: int, is_clean: bool, layout: Layout | None, rank: int | None) -> Holder:
@@ -59,15 +58,15 @@ class Holder:
         return cls(step if is_clean else -1, step, (coords.pp, coords.tp), (layout.pp, layout.tp))
 
 
-def pick_shard_sources(holders: list[Holder],
-                       layout: Layout) -> tuple[int, dict[Shard, int]] | None:
-    """The step and, per shard of ``layout``, the lowest rank holding it cleanly at that step.
+def pick_part_sources(holders: list[Holder],
+                      layout: Layout) -> tuple[int, dict[Part, int]] | None:
+    """The step and, per part of ``layout``, the lowest rank holding it cleanly at that step.
 
-    The highest step at which every shard has a clean holder wins. None when there is no
+    The highest step at which every part has a clean holder wins. None when there is no
     such step, the cut changed, or ``layout.tp > 1``.
 
     Note:
-        Tensor-parallel shards are DTensors bound to their round's mesh, which is destroyed
+        Tensor-parallel parts are DTensors bound to their round's mesh, which is destroyed
         by the time we restore; they come back through the checkpoint instead.
     """
     if layout.tp > 1:
@@ -75,11 +74,11 @@ def pick_shard_sources(holders: list[Holder],
     cut = (layout.pp, layout.tp)
     needed = [(pp, tp) for pp in range(layout.pp) for tp in range(layout.tp)]
     for step in sorted({h.step for h in holders if h.step >= 0 and h.cut == cut}, reverse=True):
-        sources: dict[Shard, int] = {}
+        sources: dict[Part, int] = {}
         for rank, holder in enumerate(holders):
-            if holder.step == step and holder.cut == cut and holder.shard is not None:
-                sources.setdefault(holder.shard, rank)
-        if all(shard in sources for shard in needed):
+            if holder.step == step and holder.cut == cut and holder.part is not None:
+                sources.setdefault(holder.part, rank)
+        if all(part in sources for part in needed):
             return step, sources
     return None
 
@@ -87,25 +86,25 @@ def pick_shard_sources(holders: list[Holder],
 def gather_holders(mine: Holder, group: dist.ProcessGroup) -> list[Holder]:
     """Every rank's :class:`Holder`, indexed by rank in ``group``. Collective."""
     entries: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(entries, (mine.step, mine.last_step, mine.shard, mine.cut), group=group)
-    return [Holder(step, last, _shard(shard), _shard(cut)) for step, last, shard, cut in entries]
+    dist.all_gather_object(entries, (mine.step, mine.last_step, mine.part, mine.cut), group=group)
+    return [Holder(step, last, _part(part), _part(cut)) for step, last, part, cut in entries]
 
 
-def broadcast_shards(read: Callable[[], Any], sources: dict[Shard, int], mine: Shard,
-                     group: dist.ProcessGroup) -> Any:
-    """Send each shard's state from its source; return the one for shard ``mine``. Collective.
+def broadcast_parts(read: Callable[[], Any], sources: dict[Part, int], mine: Part,
+                    group: dist.ProcessGroup) -> Any:
+    """Send each part's state from its source; return the one for part ``mine``. Collective.
 
-    ``read()`` is called only on source ranks, for the state they hold. Every shard goes to
-    the whole group (one flat broadcast per dtype each): simple, and shards are sent once.
+    ``read()`` is called only on source ranks, for the state they hold. Every part goes to
+    the whole group (one flat broadcast per dtype each): simple, and parts are sent once.
     """
     rank = dist.get_rank(group)
     received = None
-    for shard, src in sorted(sources.items()):
+    for part, src in sorted(sources.items()):
         state = broadcast_state(read() if rank == src else None, src, group)
-        if shard == mine:
+        if part == mine:
             received = state
     return received
 
 
-def _shard(value: Any) -> Shard | None:
+def _part(value: Any) -> Part | None:
     return None if value is None else (int(value[0]), int(value[1]))

@@ -1,4 +1,7 @@
-"""Restore a sharded state after a re-form from the pieces that survived, wherever they are.
+"""Move FSDP rows: restore a sharded state after a re-form from the pieces that survived.
+
+Rule: the highest step at which every piece of one sharding has a holder wins
+(:func:`pick_piece_sources`); each rank then receives only its new rows (:func:`fetch_rows`).
 
 Under FSDP every rank holds one piece (its rows) of the state; under HSDP each piece is held
 once per replica group. After a node loss the survivors still hold their pieces of the last
