@@ -25,7 +25,7 @@ from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.runtime_step import ReplicatedStep
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainMeta:
     """A rank's JSON-able state at one committed step, beside its tensors."""
 
