@@ -218,14 +218,14 @@ class ReferenceTrainer(_Trainable):
         return self.model(x)
 
 
-class DDPTrainer(_Trainable):
-    """Pure data parallelism: the whole model on every rank, gradients averaged by DDP."""
+class _DataParallel(_Trainable):
+    """A trainer of the whole model on each data-parallel rank: its rows of every batch."""
 
-    def __init__(self, layout: Layout, groups: Groups, *, seed: int = 0, lr: float = 0.05) -> None:
-        self.dp_rank, self.dp, self.group = layout.coords(groups.rank).dp, layout.dp, groups.dp
-        # Same seed on every rank, so there is nothing to broadcast (DDP checks that anyway).
-        self.model = DistributedDataParallel(MLP(seed=seed), process_group=groups.dp)
-        self.optimizer = make_optimizer(self.model, lr)
+    dp_rank: int
+    dp: int
+    group: dist.ProcessGroup
+    grad_scale = 1
+    """What the loss is multiplied by before backward, so that the reduction sums."""
 
     def step(self, batch: Batch) -> float:
         x, y = batch
@@ -236,12 +236,23 @@ class DDPTrainer(_Trainable):
         """One step on this rank's rows of a global batch of ``global_batch`` rows."""
         x, y = share
         loss = loss_fn(self.model(x), y, global_batch)
-        # DDP averages gradients over dp; scaling by dp turns that average into the sum we want.
-        (loss * self.dp).backward()
+        (loss * self.grad_scale).backward()
         total = _sum(loss.detach(), self.group)  # before the update: see ``is_step_atomic``
         self.optimizer.step()
         self.optimizer.zero_grad()
         return total
+
+
+class DDPTrainer(_DataParallel):
+    """Pure data parallelism: the whole model on every rank, gradients averaged by DDP."""
+
+    def __init__(self, layout: Layout, groups: Groups, *, seed: int = 0, lr: float = 0.05) -> None:
+        self.dp_rank, self.dp, self.group = layout.coords(groups.rank).dp, layout.dp, groups.dp
+        # DDP averages gradients over dp; scaling by dp turns that average into the sum we want.
+        self.grad_scale = self.dp
+        # Same seed on every rank, so there is nothing to broadcast (DDP checks that anyway).
+        self.model = DistributedDataParallel(MLP(seed=seed), process_group=groups.dp)
+        self.optimizer = make_optimizer(self.model, lr)
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +260,7 @@ class DDPTrainer(_Trainable):
         return module(x)
 
 
-class FSDPTrainer(_Trainable):
+class FSDPTrainer(_DataParallel):
     """Sharded data parallelism: each rank holds its rows of every parameter, gradient and
     momentum buffer (FSDP), or of one replica's (HSDP: ``groups.shard_mesh`` is 2-D)."""
 
@@ -266,21 +277,6 @@ class FSDPTrainer(_Trainable):
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         self.model = model
         self.optimizer = make_optimizer(self.model, lr)
-
-    def step(self, batch: Batch) -> float:
-        x, y = batch
-        rows = _my_rows(len(x), self.dp_rank, self.dp)
-        return self.step_share((x[rows], y[rows]), len(x))
-
-    def step_share(self, share: Batch, global_batch: int) -> float:
-        """One step on this rank's rows of a global batch of ``global_batch`` rows."""
-        x, y = share
-        loss = loss_fn(self.model(x), y, global_batch)
-        loss.backward()
-        total = _sum(loss.detach(), self.group)  # before the update: see ``is_step_atomic``
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        return total
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:

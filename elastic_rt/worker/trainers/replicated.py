@@ -14,30 +14,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.context import Context
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.checkpoint_restore import (
     from_checkpoint_or_init,
     load_checkpoint_into,
-    named_state,
 )
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.protocol import BuildFn, Restoring
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state, pick_source
 from elastic_rt.worker.trainers.runtime_step import ReplicatedStep, StepFn, StepOptions
+from elastic_rt.worker.trainers.train_state_trainer import TrainStateTrainer
 
 
-class ReplicatedTrainer:
+class ReplicatedTrainer(TrainStateTrainer):
     """A ``TrainState`` replicated on every data-parallel rank; the runtime does its step."""
 
     def __init__(self, build: BuildFn, step_fn: StepFn, options: StepOptions) -> None:
         self.build, self.step_fn, self.options = build, step_fn, options
         self.state: TrainState | None = None
         self.stepper: ReplicatedStep | None = None
-
-    def result(self) -> Any:
-        return self.state
 
     def restore(self, at: Restoring) -> str:
         if self.state is None or self.stepper is None:
@@ -68,19 +64,3 @@ class ReplicatedTrainer:
         assert self.stepper is not None
         loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step)
         return loss.local_mean, loss.contribution
-
-    def is_step_atomic(self) -> bool:
-        return True  # the runtime's step updates the state only after its last collective
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by parameter name, so it reshards."""
-        assert self.state is not None
-        return named_state(self.state)
-
-    def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
-        return TrainMeta.capture(step=step, sampler=sampler, state=self.state,
-                                 stepper=self.stepper)
-
-    def release(self) -> None:
-        if self.stepper is not None:
-            self.stepper.unbind()

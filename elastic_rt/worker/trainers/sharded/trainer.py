@@ -34,7 +34,6 @@ from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.checkpoint_restore import (
     from_checkpoint_or_init,
     load_checkpoint_into,
-    named_state,
 )
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.protocol import BuildFn, Restoring
@@ -59,11 +58,12 @@ from elastic_rt.worker.trainers.sharded.row_fetch import (
     gather_holdings,
     pick_piece_sources,
 )
+from elastic_rt.worker.trainers.train_state_trainer import TrainStateTrainer
 
 logger = logging.getLogger(__name__)
 
 
-class ShardedTrainer:
+class ShardedTrainer(TrainStateTrainer):
     """A ``TrainState`` sharded over the data-parallel ranks (plain replicas when the round's
     layout has ``shard == 1``); the runtime does its step."""
 
@@ -80,9 +80,6 @@ class ShardedTrainer:
         self.snapshots: list[Snapshot] = []  # the completed ones, once copies stop
         self.copies: PeerCopies | None = None  # this round's exchange, under FSDP
         self.sampler: ElasticSampler | None = None
-
-    def result(self) -> Any:
-        return self.state
 
     def restore(self, at: Restoring) -> str:
         self._stop_copies()
@@ -228,19 +225,6 @@ class ShardedTrainer:
         loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step)
         return loss.local_mean, loss.contribution
 
-    def is_step_atomic(self) -> bool:
-        return True
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Model and optimizer state by parameter name; DTensor shards under FSDP/HSDP."""
-        assert self.state is not None
-        return named_state(self.state)
-
-    def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
-        return TrainMeta.capture(step=step, sampler=sampler, state=self.state,
-                                 stepper=self.stepper)
-
     def release(self) -> None:
         self._stop_copies()
-        if self.stepper is not None:
-            self.stepper.unbind()
+        super().release()
