@@ -6,7 +6,7 @@ Rule, for all three families alike (:func:`from_checkpoint_or_init`)::
     else nobody held state -> the initial state, step 0
     else                   -> ElasticError: state was lost and nothing is committed
 
-The tensors load by name (:func:`named_state`), so a checkpoint of any layout reshards into
+The tensors load by name (:func:`named_state`), so a checkpoint of any layout loads into
 this one; the record beside them is decoded once, by :meth:`TrainMeta.decode`.
 """
 
@@ -37,10 +37,10 @@ Loaded = tuple[CheckpointInfo, TrainMeta]
 
 
 def named_state(state: TrainState) -> dict[str, Any]:
-    """Model and optimizer state keyed by parameter name (DTensor shards stay shards).
+    """Model and optimizer state keyed by parameter name (FSDP's DTensors stay DTensors).
 
     An optimizer's own state_dict keys its state by parameter index, which collides between
-    pipeline stages; the flattened form names each entry, so it reshards.
+    pipeline stages; the flattened form names each entry, so it loads into any layout.
     """
     model_state, optim_state = get_state_dict(state.model, state.optimizer, options=_FLAT)
     return {"model": model_state, "optimizer": optim_state}

@@ -1,10 +1,11 @@
 """What the loop sees of a trainer: :class:`Trainer`, and what a restore reads and moves.
 
 Rule: the loop calls ``restore`` after every re-form, then ``train`` step by step; it saves
-``checkpoint_state()`` (tensors, resharded by name) with ``checkpoint_meta(...).encode()``
-beside them, and calls ``release`` before the round's groups are destroyed. Nothing else of a
-trainer is the loop's business. A restore moves the loop's position (:class:`Progress`, the
-sampler) only through :meth:`Restoring.take`, from a :class:`TrainMeta`.
+``checkpoint_state()`` (tensors, loaded by name into any layout) with
+``checkpoint_meta(...).encode()`` beside them, and calls ``release`` before the round's groups
+are destroyed. Nothing else of a trainer is the loop's business. A restore moves the loop's
+position (:class:`Progress`, the sampler) only through :meth:`Restoring.take`, from a
+:class:`TrainMeta`.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class Trainer(Protocol):
         """Whether a step that raises leaves the state of the last committed step."""
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The tensors a checkpoint saves and loads into (resharding by name)."""
+        """The tensors a checkpoint saves and loads into (by name, into any layout)."""
 
     def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
         """The record saved beside the tensors (its :meth:`TrainMeta.encode` is ``extra``)."""

@@ -1,6 +1,6 @@
 """What the replicated and sharded families share: a ``TrainState`` stepped by the runtime.
 
-Rule: its checkpoint is the state by parameter name (``named_state``: it reshards) with
+Rule: its checkpoint is the state by parameter name (``named_state``: any layout loads it) with
 ``TrainMeta.capture(state, stepper)`` beside it; a step that raises changed nothing, since the
 runtime's step updates the state only after its last collective (``is_step_atomic``).
 """
@@ -29,7 +29,7 @@ class TrainStateTrainer:
         return True
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Model and optimizer state by parameter name; DTensor shards under FSDP/HSDP."""
+        """Model and optimizer state by parameter name; DTensors under FSDP/HSDP."""
         assert self.state is not None
         return named_state(self.state)
 
