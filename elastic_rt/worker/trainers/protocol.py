@@ -4,8 +4,8 @@ Rule: the loop calls ``restore`` after every re-form, then ``train`` step by ste
 ``checkpoint_state()`` (tensors, loaded by name into any layout) with
 ``checkpoint_meta(...).encode()`` beside them, and calls ``release`` before the round's groups
 are destroyed. Nothing else of a trainer is the loop's business. A restore moves the loop's
-position (:class:`Progress`, the sampler) only through :meth:`Restoring.take`, from a
-:class:`TrainMeta`.
+position (:class:`Progress`, the sampler) to that of the :class:`TrainMeta` it restores, with
+:meth:`Restoring.take`.
 """
 
 from __future__ import annotations
