@@ -64,7 +64,7 @@ def check_checkpoint(device: torch.device, out: Path) -> str:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions, get_state_dict, set_state_dict)
 
-    from elastic_rt.worker.replicated import initialize_optimizer_state
+    from elastic_rt.worker.trainers.runtime_step import initialize_optimizer_state
 
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
 

@@ -3,8 +3,10 @@
 One copy of each piece they all need: a :class:`ProcessLedger` that starts process
 trees in new sessions, remembers every descendant it sees and kills by process group
 on close; :func:`wait_until`, a poll with a deadline; :func:`child_env`, the
-environment a child needs to import this checkout. It lives in the package, not
-under ``tests/`` or ``scripts/``, so all three import it without path tricks.
+environment a child needs to import this checkout; and (imported on its own, it needs
+torch) ``parallel_models``, one small model trained alike under every layout, which the
+examples run and the resharding tests check. It lives in the package, not under
+``tests/`` or ``scripts/``, so all of them import it without path tricks.
 
 Only tests, scripts and benchmarks import this package; the library's worker and
 agent code never does (``tests/unit/test_harness.py`` checks that).

@@ -103,15 +103,14 @@ from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.grad_sync import GradSync
 from elastic_rt.worker.hang import HangWatchdog, dump_stacks
 from elastic_rt.worker.progress import ProgressPublisher, StepClock
-from elastic_rt.worker.sharded_trainer import ShardedTrainer
-from elastic_rt.worker.replicated import StepFn, StepOptions
 from elastic_rt.worker.trainers import (
     BuildFn,
-    OwnedStepTrainer,
     Progress,
-    ReplicatedTrainer,
     Restoring,
+    StepFn,
+    StepOptions,
     Trainer,
+    choose,
 )
 from elastic_rt.worker.context import Context, set_context
 
@@ -218,10 +217,8 @@ def run(
                              micro_batch_size=micro_batch_size)
     options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
                           clip_grad_norm=clip_grad_norm)
-    trainer: Trainer = (OwnedStepTrainer(build) if step is None
-                        else ShardedTrainer(build, step, options, copy_every=peer_copy_every)
-                        if limits.max_shard > 1
-                        else ReplicatedTrainer(build, step, options))
+    trainer = choose(build=build, step=step, limits=limits, options=options,
+                     peer_copy_every=peer_copy_every)
     loop = _ElasticLoop(
         trainer=trainer, checkpoint=checkpoint, limits=limits, sampler=sampler,
         batches=BatchSource(dataset, sampler, loader or LoaderOptions(collate_fn=collate)),
@@ -491,8 +488,7 @@ class _ElasticLoop:
             try:
                 self.checkpoint.save(
                     step, self.trainer.checkpoint_state(), layout=self.ctx.layout.to_dict(),
-                    extra={"step": step, "sampler": self.sampler.state_dict(),
-                           **self.trainer.checkpoint_extra()},
+                    extra=self.trainer.checkpoint_meta(step=step, sampler=self.sampler).encode(),
                     process_group=self.groups.world,
                 )  # fmt: skip
             except (FencedOutError, CheckpointError) as exc:

@@ -37,11 +37,10 @@ from elastic_rt.layout import Layout
 from elastic_rt.process_groups import destroy_groups, init_groups
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.context import Context
-from elastic_rt.worker.replicated import StepOptions
 from elastic_rt.worker.allocator import SHARDED_TRIM_THRESHOLD_BYTES, pin_heap
-from elastic_rt.worker.sharded_trainer import ShardedTrainer
 from elastic_rt.worker.train_state import TrainState
-from elastic_rt.worker.trainers import Progress, Restoring
+from elastic_rt.worker.trainers import Progress, Restoring, StepOptions
+from elastic_rt.worker.trainers.sharded.trainer import ShardedTrainer
 
 TIMEOUT = timedelta(seconds=120)
 
@@ -123,8 +122,8 @@ def main() -> None:
         copies_mib = trainer.copies.host_bytes() / 2**20
         ckpt = Checkpointer(f"file://{folder}/{repeat}")
         ckpt.save(progress.step, trainer.checkpoint_state(), layout=ctx.layout.to_dict(),
-                  extra={"step": progress.step, "sampler": samples.state_dict(),
-                         **trainer.checkpoint_extra()}, process_group=ctx.groups.world)
+                  extra=trainer.checkpoint_meta(step=progress.step, sampler=samples).encode(),
+                  process_group=ctx.groups.world)
         ckpt.wait()
         trainer.release()  # waits for the exchange in flight: the snapshot of the last step
         assert trainer.snapshots and trainer.snapshots[-1].step == args.steps

@@ -3,12 +3,12 @@
     elastic-rt launch --nnodes 1:2 --nproc-per-node 2 scripts/examples/pipeline_train.py \\
         --checkpoint /tmp/pipeline-ckpt --every 10
 
-The model (``parallel_models.MLP``) is too big for one rank under ``LIMITS``, so the planner
-cuts it into pipeline stages: two nodes of two workers train ``dp2 x pp2``, one node holding
-each stage. When a node dies its stage has no replica left, so the survivors roll back to the
-last committed checkpoint, re-plan (``pp2`` on the two ranks left), load it resharded and go on.
-The steps after the checkpoint are done again, on the same batches, so the run ends where an
-uninterrupted one would.
+The model (``elastic_rt.harness.parallel_models.MLP``) is too big for one rank under
+``LIMITS``, so the planner cuts it into pipeline stages: two nodes of two workers train
+``dp2 x pp2``, one node holding each stage. When a node dies its stage has no replica left,
+so the survivors roll back to the last committed checkpoint, re-plan (``pp2`` on the two
+ranks left), load it resharded and go on. The steps after the checkpoint are done again, on
+the same batches, so the run ends where an uninterrupted one would.
 
 The script writes ``build`` (one rank's stage for a layout) and nothing about failures.
 """
@@ -25,28 +25,11 @@ import torch
 
 import elastic_rt as ert
 
-try:  # run as a script: its folder is on sys.path
-    import parallel_models as pm
-except ImportError:  # imported from the repository root (tests)
-    from scripts.examples import parallel_models as pm
+from elastic_rt.harness import parallel_models as pm
 
 N_PARAMS = pm.DEPTH * (2 * (pm.WIDTH * 2 * pm.WIDTH) + 2 * pm.WIDTH + pm.WIDTH)
 # Half the model fits a rank, the whole model does not: at least two pipeline stages.
 LIMITS = ert.ModelLimits(max_pp=pm.DEPTH, max_params_per_rank=N_PARAMS // 2, n_params=N_PARAMS)
-
-
-class Pairs(torch.utils.data.Dataset):
-    """``(x, sin(x))`` rows: deterministic, so a reference run sees the same data."""
-
-    def __init__(self, n: int, seed: int = 0) -> None:
-        self.x = torch.randn(n, pm.WIDTH, generator=torch.Generator().manual_seed(seed))
-        self.y = torch.sin(self.x)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
 
 
 class Stage:
@@ -99,7 +82,7 @@ def main() -> None:
     stage = ert.run(
         build=build,
         step=None,  # the stage owns its step: forward, send/recv, backward, optimizer
-        dataset=Pairs(args.samples),
+        dataset=pm.Pairs(args.samples),
         global_batch_size=args.global_batch,
         max_steps=args.steps,
         checkpoint=checkpoint,

@@ -1,4 +1,4 @@
-"""piece_sync.fetch_rows in real gloo processes: each rank's tensors get exactly its new rows.
+"""row_fetch.fetch_rows in real gloo processes: each rank's tensors get exactly its new rows.
 
 Three ranks hold the four pieces of an old cut (rank 0 two of them, as a rank holding its
 own piece and a neighbour's copy does) and restore to new cuts of three, of two replicated
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_rt.worker.fsdp import RowSpec
-from elastic_rt.worker.piece_sync import Sources, fetch_rows
+from elastic_rt.worker.trainers.sharded.fsdp import RowSpec
+from elastic_rt.worker.trainers.sharded.row_fetch import Sources, fetch_rows
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,7 @@ from torch.utils.data import default_collate
 from elastic_rt.events import Event
 from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.sampler import ElasticSampler
-from scripts.examples import parallel_models as pm
-from scripts.examples import pipeline_train as pt
+from elastic_rt.harness import parallel_models as pm
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, launch_args
 
@@ -71,7 +70,7 @@ def _ready_to_kill(tmp: Path) -> bool:
 
 def _reference_params() -> dict[str, torch.Tensor]:
     """The uninterrupted run: one process, the same global batches in the same order."""
-    data = pt.Pairs(SAMPLES)
+    data = pm.Pairs(SAMPLES)
     sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, seed=0)
     trainer = pm.ReferenceTrainer()
     for _ in range(STEPS):

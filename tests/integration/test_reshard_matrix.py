@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from elastic_rt.checkpoint import Checkpointer
+from elastic_rt.harness import REPO
 from elastic_rt.layout import Layout
 from elastic_rt.process_groups import destroy_groups, init_groups
-from scripts.examples import parallel_models as pm
+from elastic_rt.harness import parallel_models as pm
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 NPROCS = 4
@@ -46,7 +47,7 @@ FILE_CASES = [
 ]
 S3_CASES = [("dp2xpp2", "dp3"), ("tp2", "dp2")]
 TIMEOUT = timedelta(seconds=30)
-EXAMPLE = Path(pm.__file__)
+EXAMPLE = REPO / "scripts" / "examples" / "parallel_models.py"
 
 
 def _probe() -> torch.Tensor:

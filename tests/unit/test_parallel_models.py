@@ -1,4 +1,4 @@
-"""The example model's single-process pieces: stage split, seeded weights, reference loop."""
+"""The parallel model's single-process pieces: stage split, seeded weights, reference loop."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import torch
 
 from elastic_rt.layout import Layout
-from scripts.examples import parallel_models as pm
+from elastic_rt.harness import parallel_models as pm
 
 
 def test_stages_cover_every_block_once_in_order() -> None:

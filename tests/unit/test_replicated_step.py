@@ -13,7 +13,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from elastic_rt.errors import ConfigError, UserCodeError
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.failures import is_peer_failure, user_code
-from elastic_rt.worker.replicated import ReplicatedStep, StepOptions, initialize_optimizer_state
+from elastic_rt.worker.trainers.runtime_step import (
+    ReplicatedStep,
+    StepOptions,
+    initialize_optimizer_state,
+)
 
 GLOO_PEER_DIED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
                   "by peer [127.0.0.1]:42920. This is typically caused by a remote worker "

@@ -1,4 +1,7 @@
-"""Restore a sharded state after a re-form from the pieces that survived, wherever they are.
+"""Move FSDP rows: restore a sharded state after a re-form from the pieces that survived.
+
+Rule: the highest step at which every piece of one sharding has a holder wins
+(:func:`pick_piece_sources`); each rank then receives only its new rows (:func:`fetch_rows`).
 
 Under FSDP every rank holds one piece (its rows) of the state; under HSDP each piece is held
 once per replica group. After a node loss the survivors still hold their pieces of the last
@@ -25,8 +28,8 @@ import torch.distributed as dist
 
 from elastic_rt.errors import ElasticError
 from elastic_rt.worker import abort
-from elastic_rt.worker.fsdp import Piece, RowSpec
-from elastic_rt.worker.state_sync import broadcast_state
+from elastic_rt.worker.trainers.sharded.fsdp import Piece, RowSpec
+from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ A rank's **piece** is what it holds of the state: its rows (dim 0) of every para
 every optimizer tensor shaped like one, plus what is whole everywhere (buffers, step counts,
 hyperparameters). Pieces ``0..shard-1`` of one step, concatenated in order, are the full state
 (FSDP2 splits dim 0 like ``torch.chunk``); a rank of a new layout needs only the rows its own
-piece of that layout covers, which ``piece_sync.fetch_rows`` brings from the old pieces'
+piece of that layout covers, which ``row_fetch.fetch_rows`` brings from the old pieces'
 holders. So state moves between any two layouts of the shard axis, FSDP, HSDP and plain
 replicas alike, by name.
 """
@@ -147,7 +147,7 @@ def row_targets(state: TrainState) -> list[tuple[RowSpec, torch.Tensor]]:
 def load_whole(state: TrainState, whole: Piece) -> None:
     """Put what is whole on every rank (buffers, optimizer step counts and the like,
     hyperparameters) from ``whole`` into ``state``; the rows came with
-    ``piece_sync.fetch_rows``. The optimizer's state tensors must exist."""
+    ``row_fetch.fetch_rows``. The optimizer's state tensors must exist."""
     model, optimizer = state.model, state.optimizer
     names = {id(p): name for name, p in model.named_parameters()}
     with torch.no_grad():

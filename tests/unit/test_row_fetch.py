@@ -1,4 +1,4 @@
-"""Unit tests for the pure parts of piece_sync: which ranks restore a sharded state, and
+"""Unit tests for the pure parts of row_fetch: which ranks restore a sharded state, and
 which old pieces hold the rows a new piece needs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_rt.worker.piece_sync import (
+from elastic_rt.worker.trainers.sharded.row_fetch import (
     Holding,
     Sources,
     chunk_rows,

@@ -1,4 +1,4 @@
-"""The trainer of the shard axis: a user's ``TrainState`` under FSDP2 or HSDP, rebuilt per round.
+"""The sharded family: a user's ``TrainState`` under FSDP2 or HSDP, rebuilt per round.
 
 ``run(limits=ModelLimits(max_shard=...))`` picks it; ``build(layout)`` and ``step`` stay what
 they are for data parallelism. Every round the planner may cut the state differently (fsdp4,
@@ -25,36 +25,45 @@ import os
 from typing import Any
 
 from elastic_rt.config import LOCAL_WORLD_SIZE_ENV
-from elastic_rt.errors import ConfigError, ElasticError
+from elastic_rt.errors import ConfigError
 from elastic_rt.layout import Layout
 from elastic_rt.process_groups import group_timeout, side_group
-from elastic_rt.worker.context import Context
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.worker.fsdp import (
+from elastic_rt.worker.context import Context
+from elastic_rt.worker.train_state import TrainState
+from elastic_rt.worker.trainers.checkpoint_restore import (
+    from_checkpoint_or_init,
+    load_checkpoint_into,
+)
+from elastic_rt.worker.trainers.meta import TrainMeta
+from elastic_rt.worker.trainers.protocol import BuildFn, Restoring
+from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
+from elastic_rt.worker.trainers.runtime_step import (
+    ReplicatedStep,
+    StepFn,
+    StepOptions,
+    initialize_optimizer_state,
+)
+from elastic_rt.worker.trainers.sharded.fsdp import (
     ShardedGradients,
     load_whole,
     local_piece,
     row_targets,
     shard_train_state,
 )
-from elastic_rt.worker.peer_copies import PeerCopies, Ring, Snapshot, ring_holder
-from elastic_rt.worker.piece_sync import Holding, fetch_rows, gather_holdings, pick_piece_sources
-from elastic_rt.worker.replicated import (
-    ReplicatedStep,
-    StepFn,
-    StepOptions,
-    initialize_optimizer_state,
+from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring, Snapshot, ring_holder
+from elastic_rt.worker.trainers.sharded.row_fetch import (
+    Holding,
+    fetch_rows,
+    gather_holdings,
+    pick_piece_sources,
 )
-from elastic_rt.worker.state_sync import broadcast_state
-from elastic_rt.worker.train_state import TrainState
-from elastic_rt.worker.trainers import (
-    BuildFn, Restoring, load_checkpoint_into, named_state, runtime_extra,
-)
+from elastic_rt.worker.trainers.train_state_trainer import TrainStateTrainer
 
 logger = logging.getLogger(__name__)
 
 
-class ShardedTrainer:
+class ShardedTrainer(TrainStateTrainer):
     """A ``TrainState`` sharded over the data-parallel ranks (plain replicas when the round's
     layout has ``shard == 1``); the runtime does its step."""
 
@@ -71,9 +80,6 @@ class ShardedTrainer:
         self.snapshots: list[Snapshot] = []  # the completed ones, once copies stop
         self.copies: PeerCopies | None = None  # this round's exchange, under FSDP
         self.sampler: ElasticSampler | None = None
-
-    def result(self) -> Any:
-        return self.state
 
     def restore(self, at: Restoring) -> str:
         self._stop_copies()
@@ -115,7 +121,8 @@ class ShardedTrainer:
                 assert old is not None and old_stepper is not None
                 if sources.step == live_step and lives[ctx.rank][:1] == [
                         Holding(live_step, sources.count, index)]:
-                    return {"piece": local_piece(old), "meta": _meta(old, old_stepper, at)}
+                    return {"piece": local_piece(old),
+                            "meta": at.meta(old, old_stepper, step=live_step).encode()}
                 snapshot = next(s for s in snapshots if s.step == sources.step)
                 return {"piece": snapshot.piece(index), "meta": snapshot.meta}
             self._shard(ctx)
@@ -125,7 +132,7 @@ class ShardedTrainer:
             whole, meta = fetch_rows(sources, read, ctx.groups.world, wants,
                                      row_targets(self.state))
             load_whole(self.state, whole)
-            self._load_meta(meta, at)
+            at.take(TrainMeta.decode(meta), self.state, self.stepper)
             if last > sources.step:
                 logger.warning("restored from %s of step %d; steps %d-%d are done again",
                                source, sources.step, sources.step + 1, last)
@@ -141,8 +148,9 @@ class ShardedTrainer:
         if copies is None or not copies.is_due(committed):
             return
         assert self.state is not None and self.stepper is not None and self.sampler is not None
-        copies.refresh(committed, local_piece(self.state),
-                       _meta(self.state, self.stepper, self.sampler))
+        meta = TrainMeta.capture(step=committed, sampler=self.sampler, state=self.state,
+                                 stepper=self.stepper)
+        copies.refresh(committed, local_piece(self.state), meta.encode())
 
     def _start_copies(self, ctx: Context) -> None:
         """This round's ring of peer copies, on a group of its own (FSDP only; collective)."""
@@ -193,36 +201,14 @@ class ShardedTrainer:
         self._start_copies(ctx)
 
     def _from_checkpoint_or_init(self, at: Restoring, last: int) -> str:
-        assert self.state is not None
+        state = self.state
+        assert state is not None
         # Rank 0's build is everybody's start (a checkpoint then overwrites all of it).
-        synced = broadcast_state(self.state.model.state_dict(), 0, at.ctx.groups.world)
-        self.state.model.load_state_dict(synced)
+        state.model.load_state_dict(broadcast_state(state.model.state_dict(), 0,
+                                                    at.ctx.groups.world))
         self._shard(at.ctx)
-        if at.checkpoint is not None:
-            info = load_checkpoint_into(self.state, self.checkpoint_state, at)
-            if info is not None:
-                self._load_meta(info.extra, at, with_position=False)
-                at.progress.is_dirty = False
-                if last > at.progress.step:
-                    logger.warning("no surviving copy of every shard; rolled back from step %d "
-                                   "to %d", last, at.progress.step)
-                return f"checkpoint {info.name}"
-        if last >= 0:
-            raise ElasticError(
-                "a shard of the model state was lost with no surviving copy and no committed "
-                "checkpoint; pass checkpoint=Checkpointer(url, every_steps=N)")
-        at.progress.step, at.progress.is_dirty = 0, False
-        return "init"
-
-    def _load_meta(self, meta: dict[str, Any], at: Restoring, *,
-                   with_position: bool = True) -> None:
-        assert self.state is not None and self.stepper is not None
-        if with_position:  # a checkpoint's sampler and step were loaded by load_checkpoint
-            at.sampler.load_state_dict(meta["sampler"])
-        self.state.extras = dict(meta.get("extras", {}))
-        if self.state.scheduler is not None and meta.get("scheduler"):
-            self.state.scheduler.load_state_dict(meta["scheduler"])
-        self.stepper.load_runtime_state(meta.get("runtime", {}))
+        return from_checkpoint_or_init(at, lambda: load_checkpoint_into(state, at), state=state,
+                                       stepper=self.stepper, last=last)
 
     def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
               step: int) -> tuple[float, float]:
@@ -239,30 +225,6 @@ class ShardedTrainer:
         loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step)
         return loss.local_mean, loss.contribution
 
-    def is_step_atomic(self) -> bool:
-        return True
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Model and optimizer state by parameter name; DTensor shards under FSDP/HSDP."""
-        assert self.state is not None
-        return named_state(self.state)
-
-    def checkpoint_extra(self) -> dict[str, Any]:
-        assert self.state is not None and self.stepper is not None
-        return runtime_extra(self.state, self.stepper)
-
     def release(self) -> None:
         self._stop_copies()
-        if self.stepper is not None:
-            self.stepper.unbind()
-
-
-def _meta(state: TrainState, stepper: ReplicatedStep, at: Restoring | ElasticSampler
-          ) -> dict[str, Any]:
-    """What travels with piece 0: the runtime's position and the JSON-able extras."""
-    sampler = at if isinstance(at, ElasticSampler) else at.sampler
-    meta: dict[str, Any] = {"sampler": sampler.state_dict(), "extras": dict(state.extras),
-                            "runtime": stepper.runtime_state()}
-    if state.scheduler is not None:
-        meta["scheduler"] = state.scheduler.state_dict()
-    return meta
+        super().release()

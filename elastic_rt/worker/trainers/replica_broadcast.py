@@ -1,4 +1,7 @@
-"""Bring every rank of a new round to the same state by broadcast from a survivor.
+"""Broadcast a whole replica from one survivor to every rank of a new round.
+
+Rule: the lowest rank with the highest step is the source (:func:`pick_source`); every other
+rank receives its state whole (:func:`broadcast_state`): a few collectives, one per dtype.
 
 After a re-form, survivors hold the state of the last step they committed and
 newcomers hold nothing. All ranks exchange their step; the lowest rank with the

@@ -47,9 +47,9 @@ from torch.futures import Future
 
 from elastic_rt.process_groups import abandon_side_group, destroy_side_group
 from elastic_rt.worker import abort
-from elastic_rt.worker.fsdp import Piece
-from elastic_rt.worker.piece_sync import Holding
-from elastic_rt.worker.state_sync import join_tensors, split_tensors, tensor_slots
+from elastic_rt.worker.trainers.sharded.fsdp import Piece
+from elastic_rt.worker.trainers.sharded.row_fetch import Holding
+from elastic_rt.worker.trainers.replica_broadcast import join_tensors, split_tensors, tensor_slots
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
-"""One data-parallel training step of a replicated model, done by the runtime.
+"""The runtime's step, shared by the replicated and the sharded families.
+
+Rule: one optimizer step over this rank's micro-batches, weighted by their share of the
+global batch, so the update is the one-rank update on the whole global batch for any split.
 
 The user's ``step(state, batch)`` returns the mean loss of the batch it is given; this
 module does the rest the way a careful torchrun + DDP script does: backward per
@@ -6,12 +9,12 @@ micro-batch with the gradients summed over the data-parallel group during the la
 backward (see ``grad_sync``), optional autocast with a ``GradScaler`` for float16,
 clipping by global norm after the average (and after unscaling), the optimizer step and
 the scheduler step. Each micro-batch is moved to the model's device first (the device of
-its first parameter), so a model built on ``cuda:LOCAL_RANK`` gets CUDA batches. Every
-rank's loss is weighted by its share of the global batch, so the update equals the
-one-rank update on the whole global batch for any split.
+its first parameter), so a model built on ``cuda:LOCAL_RANK`` gets CUDA batches.
+The sharded family hands :meth:`ReplicatedStep.bind` FSDP's own reducer instead.
 
-The scaler's state belongs to the runtime, not to ``TrainState``: it travels with the
-rest of the state when a survivor restores a newcomer, and into checkpoints.
+The scaler's state belongs to the runtime, not to ``TrainState``: it is
+:attr:`TrainMeta.runtime`, and travels with the rest of the state when a survivor restores
+a newcomer, and into checkpoints.
 """
 
 from __future__ import annotations

@@ -1,0 +1,47 @@
+"""What the loop trains: one :class:`Trainer` per worker, chosen once by :func:`choose`.
+
+Rule: ``step=None`` -> model parallel; ``limits.max_shard > 1`` -> sharded; else replicated.
+
+Each family restores from the first source that has the state::
+
+    family           trains                                restores from
+    replicated       a TrainState on every dp rank         replica_broadcast | checkpoint | init
+    sharded/         a TrainState under FSDP2 / HSDP       row_fetch of live pieces | of
+                                                           peer_copies | checkpoint | init
+    model_parallel/  an object owning its step, pp x tp    part_broadcast | checkpoint | init
+
+The replicated and sharded families train through ``runtime_step`` (the runtime's step).
+Shared by all three: ``protocol`` (what the loop sees), ``meta`` (:class:`TrainMeta`, the one
+record beside the tensors, one encoding for checkpoints and every restore) and
+``checkpoint_restore`` (the one fall-back to the checkpoint or the initial state). Words: a
+*shard* is only the FSDP axis (``sharded/``); a *part* is a model-parallel rank's ``(pp, tp)``
+cut; a *piece* is what one rank holds of a sharded state. A new family is a module or folder
+here plus one line in :func:`choose`.
+"""
+
+from __future__ import annotations
+
+from elastic_rt.layout import ModelLimits
+from elastic_rt.worker.trainers.meta import TrainMeta
+from elastic_rt.worker.trainers.model_parallel.trainer import OwnedStepTrainer
+from elastic_rt.worker.trainers.protocol import BuildFn, Progress, Restoring, SteppedModel, Trainer
+from elastic_rt.worker.trainers.replicated import ReplicatedTrainer
+from elastic_rt.worker.trainers.runtime_step import StepFn, StepOptions
+from elastic_rt.worker.trainers.sharded.trainer import ShardedTrainer
+
+__all__ = ["BuildFn", "Progress", "Restoring", "StepFn", "StepOptions", "SteppedModel",
+           "TrainMeta", "Trainer", "choose"]
+
+
+def choose(*, build: BuildFn, step: StepFn | None, limits: ModelLimits, options: StepOptions,
+           peer_copy_every: int) -> Trainer:
+    """The trainer for ``run``'s arguments: the one place the family is decided.
+
+    Raises:
+        ConfigError: ``peer_copy_every`` is negative (sharded family).
+    """
+    if step is None:
+        return OwnedStepTrainer(build)
+    if limits.max_shard > 1:
+        return ShardedTrainer(build, step, options, copy_every=peer_copy_every)
+    return ReplicatedTrainer(build, step, options)

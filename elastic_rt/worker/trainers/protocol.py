@@ -1,0 +1,108 @@
+"""What the loop sees of a trainer: :class:`Trainer`, and what a restore reads and moves.
+
+Rule: the loop calls ``restore`` after every re-form, then ``train`` step by step; it saves
+``checkpoint_state()`` (tensors, loaded by name into any layout) with
+``checkpoint_meta(...).encode()`` beside them, and calls ``release`` before the round's groups
+are destroyed. Nothing else of a trainer is the loop's business. A restore moves the loop's
+position (:class:`Progress`, the sampler) to that of the :class:`TrainMeta` it restores, with
+:meth:`Restoring.take`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from elastic_rt.checkpoint import Checkpointer
+from elastic_rt.layout import Layout
+from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.context import Context
+from elastic_rt.worker.trainers.meta import TrainMeta
+from elastic_rt.worker.trainers.runtime_step import ReplicatedStep
+
+BuildFn = Callable[[Layout], Any]
+"""Returns a :class:`TrainState`, or a :class:`SteppedModel` when ``step`` is None."""
+
+
+class SteppedModel(Protocol):
+    """What ``build`` returns when it owns its step (``run(step=None)``): one rank's piece.
+
+    ``step`` trains one step on this rank's data-parallel share of the global batch and
+    returns the global batch's loss; it must scale its loss by the global batch size
+    (fixed for the run), not by the share's. Replicas must be built identical (seeded).
+
+    An object may set ``is_step_atomic = True`` when ``step`` applies its update only after
+    its last collective, so that a step that raises (a peer died) has changed no parameter
+    or optimizer state. Its state then still counts after a failed step, and surviving
+    replicas can restore a lost one with no steps lost; without it, a failed step means the
+    checkpoint.
+    """
+
+    def step(self, batch: Any) -> float: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Progress:
+    """The loop's position; trainers move it when they restore."""
+
+    step: int = -1
+    """Committed steps; -1 until this rank holds state."""
+    is_dirty: bool = False
+    """The state may not match ``step``: a step or a restore started and did not finish
+    (an owned step may have applied its update before a later collective failed)."""
+    failed_attempts: int = 0
+    failed_at: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Restoring:
+    """What a restore may read and must move: the checkpoint, the sampler, the progress."""
+
+    ctx: Context
+    checkpoint: Checkpointer | None
+    sampler: ElasticSampler
+    progress: Progress
+
+    def meta(self, state: object, stepper: ReplicatedStep | None = None, *,
+             step: int | None = None) -> TrainMeta:
+        """The record of ``state`` at this rank's position (at ``step`` when given)."""
+        return TrainMeta.capture(step=self.progress.step if step is None else step,
+                                 sampler=self.sampler, state=state, stepper=stepper)
+
+    def take(self, meta: TrainMeta, state: object,
+             stepper: ReplicatedStep | None = None) -> None:
+        """Move the position to ``meta``'s and load the rest of it into ``state``."""
+        self.sampler.load_state_dict(meta.sampler)
+        self.progress.step = meta.step
+        meta.apply(state=state, stepper=stepper)
+
+
+class Trainer(Protocol):
+    """One rank's trainable state and how it steps, restores and is checkpointed."""
+
+    def result(self) -> Any:
+        """What ``run`` returns: the ``TrainState`` or the object ``build`` made."""
+
+    def restore(self, at: Restoring) -> str:
+        """Bring this rank's state to the newest step any rank holds; where it came from."""
+
+    def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
+              step: int) -> tuple[float, float]:
+        """(mean loss over this rank's samples, its part of the global-batch mean)."""
+
+    def is_step_atomic(self) -> bool:
+        """Whether a step that raises leaves the state of the last committed step."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The tensors a checkpoint saves and loads into (by name, into any layout)."""
+
+    def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
+        """The record saved beside the tensors (its :meth:`TrainMeta.encode` is ``extra``)."""
+
+    def release(self) -> None:
+        """Let go of the round's groups (they are about to be destroyed)."""

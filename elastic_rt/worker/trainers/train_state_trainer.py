@@ -1,0 +1,42 @@
+"""What the replicated and sharded families share: a ``TrainState`` stepped by the runtime.
+
+Rule: its checkpoint is the state by parameter name (``named_state``: any layout loads it) with
+``TrainMeta.capture(state, stepper)`` beside it; a step that raises changed nothing, since the
+runtime's step updates the state only after its last collective (``is_step_atomic``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.train_state import TrainState
+from elastic_rt.worker.trainers.checkpoint_restore import named_state
+from elastic_rt.worker.trainers.meta import TrainMeta
+from elastic_rt.worker.trainers.runtime_step import ReplicatedStep
+
+
+class TrainStateTrainer:
+    """The :class:`Trainer` methods of a family holding ``state`` and its ``stepper``."""
+
+    state: TrainState | None
+    stepper: ReplicatedStep | None
+
+    def result(self) -> Any:
+        return self.state
+
+    def is_step_atomic(self) -> bool:
+        return True
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Model and optimizer state by parameter name; DTensors under FSDP/HSDP."""
+        assert self.state is not None
+        return named_state(self.state)
+
+    def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
+        return TrainMeta.capture(step=step, sampler=sampler, state=self.state,
+                                 stepper=self.stepper)
+
+    def release(self) -> None:
+        if self.stepper is not None:
+            self.stepper.unbind()
