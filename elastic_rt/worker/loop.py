@@ -78,14 +78,16 @@ from elastic_rt.errors import (
     ConfigError,
     ElasticError,
     FencedOutError,
+    NewerRound,
     RendezvousClosedError,
+    RoundAbandoned,
     StoreError,
     UserCodeError,
 )
 from elastic_rt.events import EventSink
 from elastic_rt.layout import ModelLimits, plan_layout
 from elastic_rt.worker.membership import RoundFollower
-from elastic_rt.worker.store import NewerRound, join_round_store, wait_for_ranks
+from elastic_rt.worker.round_store import join_round_store, wait_for_ranks
 from elastic_rt.process_groups import Groups, abandon_groups, destroy_groups, init_groups
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.rounds import Round
@@ -295,7 +297,8 @@ class _ElasticLoop:
                         raise
                     self.end_job(exc)
                     raise SystemExit(1) from None  # the job is over; its traceback is out
-                except (RuntimeError, dist.DistError) as exc:
+                except (RoundAbandoned, RuntimeError, dist.DistError) as exc:
+                    # RuntimeError, DistError: torch's own for a failed collective.
                     self._release_groups(abandon=True)  # first: on_failure may raise
                     self.on_failure(round_, exc)
                 if self.follower is None:
