@@ -106,6 +106,7 @@ class Checkpointer:
         pointer: the run's fenced pointer; without one the manifest alone commits.
         events: where ``checkpoint.committed`` / ``checkpoint.restored`` go.
         collective_timeout: how long a background collective waits for a peer.
+        round_of: the round a load runs in, for its event; a save's comes with it.
 
     Raises:
         UnknownURLSchemeError: the URL's scheme is not supported.
@@ -115,7 +116,8 @@ class Checkpointer:
     def __init__(self, url: str, *, every_steps: int = 0, keep: int = 3, async_save: bool = True,
                  storage_options: dict | None = None, pointer: PointerStore | None = None,
                  events: EventSink | None = None,
-                 collective_timeout: timedelta = timedelta(minutes=10)) -> None:
+                 collective_timeout: timedelta = timedelta(minutes=10),
+                 round_of: Callable[[], int | None] = lambda: None) -> None:
         for field_name, value in (("every_steps", every_steps), ("keep", keep)):
             if value < 0:
                 raise ConfigError(f"Checkpointer {field_name}={value} is negative",
@@ -132,7 +134,7 @@ class Checkpointer:
         self._stager = Stager()
         self._writer = BackgroundWriter()
         self._side: tuple[Any, Any] | None = None
-        self._round_of: Callable[[], int | None] = lambda: None
+        self._round_of = round_of
         self._unclaimed: CheckpointInfo | None = None
         self._generation = 0
         """The highest generation this process restored or saved; saves go past it."""
@@ -159,12 +161,10 @@ class Checkpointer:
                 it runs in the round that asks for it); a save's round comes with it
                 (``save(fence=...)``), since its commit may land in a later round.
         """
-        run = Checkpointer(self.url, every_steps=self.every_steps, keep=self.keep,
-                           async_save=self.async_save, storage_options=self._storage_options,
-                           pointer=pointer, events=events,
-                           collective_timeout=collective_timeout)
-        run._round_of = round_of
-        return run
+        return Checkpointer(self.url, every_steps=self.every_steps, keep=self.keep,
+                            async_save=self.async_save, storage_options=self._storage_options,
+                            pointer=pointer, events=events,
+                            collective_timeout=collective_timeout, round_of=round_of)
 
     def save(self, step: int, state: dict[str, Any], *, layout: dict | None = None,
              extra: dict | None = None, process_group: Any = None,
