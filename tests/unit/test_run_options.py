@@ -13,6 +13,10 @@ from elastic_rt.layout import ModelLimits
 from elastic_rt.worker.run_options import RunOptions
 
 FSDP = ModelLimits(max_shard=2)
+OWNED_AMP = ("autocast_dtype or clip_grad_norm is set but build() owns its step (step=None)",
+             "Apply autocast and clipping inside the object's step(), or pass a step function.")
+SHARDED = ("micro_batch_size or autocast_dtype is set with a sharded layout (max_shard > 1)",
+           "Leave both unset with max_shard > 1, or train replicated (max_shard=1).")
 
 
 @pytest.mark.parametrize(("fields", "problem", "fix"), [
@@ -23,18 +27,10 @@ FSDP = ModelLimits(max_shard=2)
     ({"is_step_owned": True, "micro_batch_size": 2},
      "micro_batch_size is set but build() owns its step (step=None)",
      "Split micro-batches inside the object's step(), or pass a step function."),
-    ({"is_step_owned": True, "autocast_dtype": torch.bfloat16},
-     "autocast_dtype or clip_grad_norm is set but build() owns its step (step=None)",
-     "Apply autocast and clipping inside the object's step(), or pass a step function."),
-    ({"is_step_owned": True, "clip_grad_norm": 1.0},
-     "autocast_dtype or clip_grad_norm is set but build() owns its step (step=None)",
-     "Apply autocast and clipping inside the object's step(), or pass a step function."),
-    ({"limits": FSDP, "micro_batch_size": 2},
-     "micro_batch_size or autocast_dtype is set with a sharded layout (max_shard > 1)",
-     "Leave both unset with max_shard > 1, or train replicated (max_shard=1)."),
-    ({"limits": FSDP, "autocast_dtype": torch.float16},
-     "micro_batch_size or autocast_dtype is set with a sharded layout (max_shard > 1)",
-     "Leave both unset with max_shard > 1, or train replicated (max_shard=1)."),
+    ({"is_step_owned": True, "autocast_dtype": torch.bfloat16}, *OWNED_AMP),
+    ({"is_step_owned": True, "clip_grad_norm": 1.0}, *OWNED_AMP),
+    ({"limits": FSDP, "micro_batch_size": 2}, *SHARDED),
+    ({"limits": FSDP, "autocast_dtype": torch.float16}, *SHARDED),
 ])
 def test_a_combination_that_cannot_train_is_refused_in_one_line(
         fields: dict[str, Any], problem: str, fix: str) -> None:
