@@ -20,7 +20,7 @@ _EXPORTS = {
     "Layout": "elastic_rt.layout",
     "LoaderOptions": "elastic_rt.worker.batches",
     "ModelLimits": "elastic_rt.layout",
-    "StepReport": "elastic_rt.worker.loop",
+    "StepReport": "elastic_rt.worker.progress",
     "TrainState": "elastic_rt.worker.train_state",
     "bf16_compress": "elastic_rt.worker.grad_sync",
     "context": "elastic_rt.worker.context",

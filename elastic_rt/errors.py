@@ -67,6 +67,27 @@ class FencedOutError(RendezvousError):
     """Our round is no longer current, so a commit was refused. Retryable in the next round."""
 
 
+class RoundChange(RendezvousError):
+    """Base of the signals that the round our groups belong to is over. Retryable: the
+    loop re-forms in the newer round and retries the step. Signals, not failures, so
+    their names do not end in ``Error``; the loop catches each by name."""
+
+
+class NewerRound(RoundChange):
+    """A newer round formed while this one was being joined or trained in: join that
+    one instead. Retryable; the groups are released, not abandoned (nothing failed)."""
+
+
+class RoundAbandoned(RoundChange):
+    """A newer round dropped a member of ours while we waited on a collective
+    (``worker/abort.py``). Retryable: the loop abandons the round's groups, as after a
+    failed collective, re-forms in the newer round and retries the step.
+
+    The message names the ``ProcessGroup``, which ``worker/failures.is_peer_failure``
+    reads as a failed collective when it comes out of the user's step.
+    """
+
+
 class StoreError(ElasticError):
     """Base of key-value store failures."""
 
@@ -99,10 +120,6 @@ class CheckpointLocationError(UserError):
 class StorageUnreachableError(UserError):
     """Checkpoint storage cannot be reached at start-up (a wrong endpoint, no network).
     Not retryable there; the same trouble during a running job is a CheckpointError."""
-
-
-class WorkerFailedError(ElasticError):
-    """A worker failed and the restart budget is spent. Not retryable."""
 
 
 class UnknownRunError(UserError):

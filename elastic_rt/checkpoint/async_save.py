@@ -107,10 +107,6 @@ class BackgroundWriter:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
 
-    @property
-    def is_busy(self) -> bool:
-        return self._pending is not None and not self._pending.done()
-
     def submit(self, job: Callable[[], T]) -> None:
         """Start ``job``; the previous one must have been collected with :meth:`wait`."""
         if self._pending is not None:

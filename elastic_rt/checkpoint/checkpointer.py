@@ -6,11 +6,14 @@ every folder in storage and the checkpoint this process restored, so the newest
 commit is the newest in :func:`~.manifest.order_key` order. Every rank writes its own
 shards through DCP; rank 0 checks that they are all still there, then writes the JSON
 manifest (the last file) and, when a pointer is given, commits the name in the run's
-fenced pointer. Only then is the checkpoint committed and visible to
-:meth:`Checkpointer.load`. Retention, on rank 0 after each commit, keeps the newest
-``keep`` loadable checkpoints and removes the rest, including partial folders left by
-crashed saves once nothing has changed in them for :data:`PARTIAL_GRACE_S` (until
-then a live writer -- another process, a fenced-out round -- may be filling them).
+fenced pointer, judged by the round the state was saved in (``save(fence=...)``).
+Only then is the checkpoint committed and visible to :meth:`Checkpointer.load`.
+Commit and retention: ``checkpoint/commit.py``.
+
+A user builds a ``Checkpointer(url, every_steps=..., keep=...)`` before any round
+exists; it saves and loads on its own. The elastic loop trains with
+:meth:`Checkpointer.for_run`, a new checkpointer on the same URL and settings that also
+knows the run's pointer, event sink and collective timeout.
 
 Failure behaviour: a failure on any rank fails the save on every rank (nobody is
 left in a collective), and is raised by the next :meth:`~Checkpointer.save` or
@@ -39,22 +42,20 @@ import torch.distributed as dist
 
 from elastic_rt.checkpoint import coordination as coord
 from elastic_rt.checkpoint.async_save import BackgroundWriter, Stager
+from elastic_rt.checkpoint.commit import commit, merge_files, merge_objects, retain
 from elastic_rt.checkpoint.manifest import (
-    MANIFEST_FILE,
     DirState,
     FileEntry,
     Manifest,
     candidates,
     committed_names,
-    names_to_remove,
     new_name,
     next_generation,
     parse_name,
     read_manifest,
     scan,
-    write_manifest,
 )
-from elastic_rt.checkpoint.pointer import PointerStore
+from elastic_rt.checkpoint.pointer import Fence, PointerStore
 from elastic_rt.checkpoint.sharded import (
     Header,
     check_fits,
@@ -64,21 +65,11 @@ from elastic_rt.checkpoint.sharded import (
 )
 from elastic_rt.checkpoint.state_tree import FlatState, encode_objects, flatten
 from elastic_rt.checkpoint.storage import FsspecStorage
-from elastic_rt.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    ConfigError,
-    CorruptShardError,
-)
+from elastic_rt.errors import CheckpointNotFoundError, ConfigError, CorruptShardError
 from elastic_rt.events import EventSink
 from elastic_rt.process_groups import destroy_side_group, side_group
 
 logger = logging.getLogger(__name__)
-
-PARTIAL_GRACE_S = 600.0
-"""Retention deletes a folder without a manifest only when nothing in it changed for
-this long: before that, a live writer may still be filling it (a save's files appear
-one by one, each within well under this time)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +106,7 @@ class Checkpointer:
         pointer: the run's fenced pointer; without one the manifest alone commits.
         events: where ``checkpoint.committed`` / ``checkpoint.restored`` go.
         collective_timeout: how long a background collective waits for a peer.
+        round_of: the round a load runs in, for its event; a save's comes with it.
 
     Raises:
         UnknownURLSchemeError: the URL's scheme is not supported.
@@ -124,7 +116,8 @@ class Checkpointer:
     def __init__(self, url: str, *, every_steps: int = 0, keep: int = 3, async_save: bool = True,
                  storage_options: dict | None = None, pointer: PointerStore | None = None,
                  events: EventSink | None = None,
-                 collective_timeout: timedelta = timedelta(minutes=10)) -> None:
+                 collective_timeout: timedelta = timedelta(minutes=10),
+                 round_of: Callable[[], int | None] = lambda: None) -> None:
         for field_name, value in (("every_steps", every_steps), ("keep", keep)):
             if value < 0:
                 raise ConfigError(f"Checkpointer {field_name}={value} is negative",
@@ -133,6 +126,7 @@ class Checkpointer:
         self.every_steps = every_steps
         self.keep = keep
         self.async_save = async_save
+        self._storage_options = storage_options  # for for_run(); never logged
         self._storage = FsspecStorage(url, storage_options)
         self._pointer = pointer
         self._events = events
@@ -140,7 +134,7 @@ class Checkpointer:
         self._stager = Stager()
         self._writer = BackgroundWriter()
         self._side: tuple[Any, Any] | None = None
-        self._round_of: Callable[[], int | None] = lambda: None
+        self._round_of = round_of
         self._unclaimed: CheckpointInfo | None = None
         self._generation = 0
         """The highest generation this process restored or saved; saves go past it."""
@@ -154,12 +148,33 @@ class Checkpointer:
         """Whether ``step`` is a checkpoint step under ``every_steps``."""
         return self.every_steps > 0 and step > 0 and step % self.every_steps == 0
 
+    def for_run(self, *, pointer: PointerStore | None, events: EventSink,
+                collective_timeout: timedelta,
+                round_of: Callable[[], int | None]) -> Checkpointer:
+        """A new checkpointer on this one's URL and settings, for the elastic loop.
+
+        Args:
+            pointer: the run's fenced pointer (None: the manifest alone commits).
+            events: where ``checkpoint.committed`` / ``checkpoint.restored`` go.
+            collective_timeout: how long a save may wait for a peer that may be dead.
+            round_of: the round a load runs in, for its event (a load is synchronous:
+                it runs in the round that asks for it); a save's round comes with it
+                (``save(fence=...)``), since its commit may land in a later round.
+        """
+        return Checkpointer(self.url, every_steps=self.every_steps, keep=self.keep,
+                            async_save=self.async_save, storage_options=self._storage_options,
+                            pointer=pointer, events=events,
+                            collective_timeout=collective_timeout, round_of=round_of)
+
     def save(self, step: int, state: dict[str, Any], *, layout: dict | None = None,
-             extra: dict | None = None, process_group: Any = None) -> None:
+             extra: dict | None = None, process_group: Any = None,
+             fence: Fence | None = None) -> None:
         """Checkpoint ``state`` at ``step``; collective over ``process_group``.
 
         Waits for the previous save first. With ``async_save`` it returns once the
-        tensors are staged in CPU memory; :meth:`wait` gives the outcome.
+        tensors are staged in CPU memory; :meth:`wait` gives the outcome. ``fence``
+        is the round ``state`` belongs to: its events carry the round, and the
+        pointer's commit is judged by its token, whenever the write ends.
 
         Raises:
             ConfigError: ``state`` or ``extra`` holds values we cannot store safely.
@@ -180,15 +195,14 @@ class Checkpointer:
             coord.agree_name(lambda: "", exc, group, f"preparing the step {step} checkpoint")
             raise
         blocking_s = time.monotonic() - started
-        round_number = self._round_of()  # the round whose state this is, not the write's
-
+        round_number = fence.round if fence is not None else self._round_of()
         tensors = staged.tensors if staged is not None else flat.tensors
 
         def job() -> CheckpointInfo:
             if staged is not None:
                 staged.wait_copied()  # copies from a GPU land before the write reads them
             return self._write(step, tensors, objects, layout, extra, group, blocking_s,
-                               round_number)
+                               round_number, fence)
 
         if self.async_save:
             self._writer.submit(job)
@@ -266,22 +280,6 @@ class Checkpointer:
         committed = set(committed_names(dirs, self._pointer_name()))
         return [self._info(d, d.name in committed) for d in dirs]
 
-    def bind(self, *, pointer: PointerStore | None = None, events: EventSink | None = None,
-             collective_timeout: timedelta | None = None,
-             round_of: Callable[[], int | None] | None = None) -> None:
-        """Attach the run's fenced pointer, event sink, collective timeout and round.
-
-        The elastic loop calls this: the user builds the Checkpointer before any
-        round exists, and only the loop knows the round whose token fences commits,
-        how long a save may wait for a peer that might be dead, and which round
-        (``round_of()``) the events belong to.
-        """
-        self._pointer = pointer or self._pointer
-        self._events = events or self._events
-        self._round_of = round_of or self._round_of
-        if collective_timeout is not None:
-            self._timeout = collective_timeout
-
     def close(self) -> None:
         """Wait for the save in flight (raising its error) and stop the writer thread."""
         try:
@@ -294,7 +292,7 @@ class Checkpointer:
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], objects: dict[str, Any],
                layout: dict | None, extra: dict, group: Any, blocking_s: float,
-               round_number: int | None) -> CheckpointInfo:
+               round_number: int | None, fence: Fence | None) -> CheckpointInfo:
         started = time.monotonic()
         name = coord.agree_name(lambda: self._new_name(step), None, group,
                                 f"preparing the step {step} checkpoint")
@@ -306,9 +304,9 @@ class Checkpointer:
         parts = coord.all_gather((records, objects), group)
         manifest = Manifest(name=name, step=step, generation=generation, layout=layout,
                             extra=extra,
-                            files=_merge_files(parts), objects=_merge_objects(parts),
+                            files=merge_files(parts), objects=merge_objects(parts),
                             world_size=len(parts), torch_version=torch.__version__)
-        coord.agree(lambda: self._commit(manifest, group), group, f"committing {name}")
+        coord.agree(lambda: self._commit(manifest, group, fence), group, f"committing {name}")
         info = CheckpointInfo.of(manifest, self._storage.url_of(name))
         write_s = time.monotonic() - started
         logger.info("committed checkpoint %s (%d bytes in %.2fs)", info.url, info.nbytes, write_s)
@@ -316,56 +314,17 @@ class Checkpointer:
             self._emit("checkpoint.committed", step, round_number, checkpoint=name,
                        nbytes=info.nbytes,
                        blocking_ms=round(blocking_s * 1000, 1), write_ms=round(write_s * 1000, 1))
-            self._retain(committed=name)
+            retain(self._storage, committed=name, pointer_name=self._pointer_name(),
+                   keep=self.keep, known_bad=self._known_bad)
         return info
 
     def _new_name(self, step: int) -> str:
         """Rank 0: a folder name whose generation is past everything in storage."""
         return new_name(step, next_generation(self._storage.list_dirs(), self._generation))
 
-    def _commit(self, manifest: Manifest, group: Any) -> None:
-        if coord.rank_of(group) != 0:
-            return
-        self._check_still_there(manifest)
-        write_manifest(self._storage, manifest)
-        if self._pointer is not None:
-            self._pointer.commit(manifest.name)
-
-    def _check_still_there(self, manifest: Manifest) -> None:
-        """Every rank's files are where they were written, or the save fails: another
-        process may have removed the folder, and a manifest alone is no checkpoint."""
-        found = self._storage.list_files(manifest.name)
-        lost = [f.path for f in manifest.files if found.get(f.path) != f.size]
-        if lost:
-            raise CheckpointError(
-                f"{self._storage.url_of(manifest.name)} lost {len(lost)} of its "
-                f"{len(manifest.files)} files while it was being saved (first: {lost[0]}); "
-                "another process removed them, so it was not committed")
-
-    def _retain(self, committed: str) -> None:
-        def loadable(name: str) -> bool:
-            if name == committed:
-                return True
-            try:
-                return (name not in self._known_bad
-                        and read_manifest(self._storage, name, missing_ok=True) is not None)
-            except CorruptShardError:
-                return False
-
-        def settled(name: str) -> bool:
-            if self._storage.exists(f"{name}/{MANIFEST_FILE}"):
-                return True  # a manifest is the last thing a writer writes
-            changed = self._storage.last_change(name)
-            return changed is None or time.time() - changed > PARTIAL_GRACE_S
-
-        try:
-            doomed = names_to_remove(self._storage.list_dirs(), self._pointer_name(), self.keep,
-                                     {committed}, loadable, settled)
-            for name in doomed:
-                logger.info("retention removes %s", self._storage.url_of(name))
-                self._storage.remove_tree(name)
-        except Exception as exc:  # retention is housekeeping: the commit already happened
-            logger.warning("retention under %s failed: %s", self.url, exc)
+    def _commit(self, manifest: Manifest, group: Any, fence: Fence | None) -> None:
+        if coord.rank_of(group) == 0:
+            commit(self._storage, manifest, self._pointer, fence)
 
     # -- loading ---------------------------------------------------------------------
 
@@ -470,23 +429,3 @@ def _checked_layout(layout: dict | None) -> dict | None:
         raise ConfigError(f"checkpoint layout={layout!r} is not a map of axis names to sizes",
                           "Pass layout.to_dict(), e.g. {'dp': 2, 'pp': 1, 'tp': 1}.")
     return layout
-
-
-def _merge_files(parts: list[tuple[dict[str, FileEntry], dict]]) -> tuple[FileEntry, ...]:
-    files: dict[str, FileEntry] = {}
-    for records, _ in parts:
-        files.update(records)
-    return tuple(sorted(files.values(), key=lambda f: f.path))
-
-
-def _merge_objects(parts: list[tuple[dict, dict[str, Any]]]) -> dict[str, Any]:
-    """Union of every rank's plain values; where ranks differ, the lowest rank wins."""
-    merged: dict[str, Any] = {}
-    for rank, (_, objects) in enumerate(parts):
-        for key, value in objects.items():
-            if key in merged and merged[key] != value:
-                logger.warning("state value %r differs on rank %d; keeping the lowest rank's",
-                               key, rank)
-                continue
-            merged.setdefault(key, value)
-    return merged

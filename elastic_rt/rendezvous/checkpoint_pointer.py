@@ -1,16 +1,16 @@
 """The run's "last committed checkpoint" pointer in etcd, committed fenced.
 
 A checkpoint is committed by its manifest plus this pointer. The pointer is
-written in a transaction that compares the round key's revision with the
-writer's token, so workers of an old round (a cut-off node that has not yet
-noticed) can never move it.
+written in a transaction that compares the round key's revision with the token of
+the round the checkpoint's state was saved in (it comes with the commit), so
+workers of an old round (a cut-off node that has not yet noticed) can never move it.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable
 
+from elastic_rt.errors import FencedOutError
 from elastic_rt.rendezvous.registry import RunRegistry
 
 _KEY = "checkpoint"
@@ -22,13 +22,11 @@ class FencedPointer:
     Args:
         registry: the run's keys.
         url: the checkpoint URL, recorded for ``elastic-rt status``.
-        token: returns the writer's current round token at commit time.
     """
 
-    def __init__(self, registry: RunRegistry, url: str, token: Callable[[], int]) -> None:
+    def __init__(self, registry: RunRegistry, url: str) -> None:
         self.registry = registry
         self.url = url
-        self.token = token
 
     def read(self) -> str | None:
         item = self.registry.kv.get(self.registry.key(_KEY))
@@ -36,8 +34,10 @@ class FencedPointer:
             return None
         return str(json.loads(item.value)["name"])
 
-    def commit(self, name: str) -> None:
-        """Raises FencedOutError when our round is no longer current."""
-        step = int(name.split("-")[1]) if name.startswith("step-") else None
+    def commit(self, name: str, *, step: int, token: int | None) -> None:
+        """Raises FencedOutError when the round of ``token`` is no longer current (or no
+        token came: nothing proves the state current)."""
+        if token is None:
+            raise FencedOutError(f"{name} carries no round token to check against the run's")
         value = json.dumps({"name": name, "step": step, "url": self.url}).encode()
-        self.registry.commit_fenced(_KEY, value, self.token())
+        self.registry.commit_fenced(_KEY, value, token)

@@ -33,18 +33,14 @@ from typing import TypeVar
 
 from torch.futures import Future
 
+from elastic_rt.errors import RoundAbandoned
 from elastic_rt.rendezvous.rounds import Round
+
+__all__ = ["RoundAbandoned", "RoundNotice", "drops_a_member", "round_notice", "wait"]
 
 T = TypeVar("T")
 _POLL_S = 0.001
 """How often a wait looks at its future; the notice itself wakes it at once."""
-
-
-class RoundAbandoned(RuntimeError):
-    """A newer round dropped a member of ours while we waited on a collective.
-
-    Retryable: the loop re-forms in the newer round and retries the step.
-    """
 
 
 def drops_a_member(ours: Round, newer: Round) -> bool:

@@ -7,18 +7,27 @@ own collectives (gradient reduction, state broadcast, re-forming groups), which 
 when a peer does, or in user code (the dataset, collate, the step, backward) — and, for
 user code, does the exception chain carry a communication backend's error (c10d's
 ``DistError`` types, or the backends' messages). A user-code exception without one is
-the user's bug: retrying it on every node would only repeat it, so the job ends at once.
+the user's bug: retrying it on every node would only repeat it, so the job ends at once
+(:func:`end_job`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import re
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 import torch.distributed as dist
 
-from elastic_rt.errors import UserCodeError
+from elastic_rt.config import ERROR_FILE_ENV
+from elastic_rt.errors import StoreError, UserCodeError
+from elastic_rt.events import EventSink
+from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.root_cause import write_error_file
+
+logger = logging.getLogger(__name__)
 
 _BACKEND_MESSAGES = re.compile(
     r"gloo|nccl|c10d|ProcessGroup|Connection closed by peer|Connection reset by peer"
@@ -55,3 +64,32 @@ def user_code(*, rank: int, step: int) -> Iterator[None]:
         if is_peer_failure(exc):
             raise
         raise UserCodeError(_one_line(exc), rank=rank, step=step) from exc
+
+
+def end_job(exc: UserCodeError, *, registry: RunRegistry | None, events: EventSink,
+            round: int | None) -> NoReturn:
+    """The user's code raised: stop the job on every node instead of retrying it.
+
+    The error file and the one-line root cause go out first: closing the run makes
+    every agent stop its workers (this one too) and exit non-zero with that root
+    cause; peers blocked in a collective with us fail, find the run closed and stop.
+    Our agent prints the traceback from the error file in its root-cause report, as
+    torchrun's does from ``@record``'s; it is printed here only if no file took it.
+
+    Raises:
+        UserCodeError: ``exc`` itself where there is no run to close (no ``registry``:
+            outside ``elastic-rt launch``), so the script gets it with its traceback.
+        SystemExit: with code 1 once the run is closed.
+    """
+    if registry is None:
+        raise exc
+    if not write_error_file(os.environ.get(ERROR_FILE_ENV, ""), exc.__cause__ or exc,
+                            step=exc.step):
+        logger.error("user code failed:", exc_info=exc.__cause__)
+    logger.error("%s (an error in the user's code: the job ends, it is not retried)", exc)
+    events.emit("step.failed", round=round, step=exc.step, error=str(exc))
+    try:
+        registry.close(f"failed: {exc}")
+    except StoreError as store_exc:
+        logger.warning("could not close the run: %s", store_exc)
+    raise SystemExit(1) from None  # the job is over; its traceback is out

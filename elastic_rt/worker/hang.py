@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Callable
 
+from elastic_rt.config import WorkerEnv
+from elastic_rt.events import EventSink
 from elastic_rt.worker.progress import StepClock
 
 logger = logging.getLogger(__name__)
@@ -84,3 +86,14 @@ def dump_stacks() -> None:
     sys.stderr.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
+
+
+def report_stall(stalled_s: float, threshold_s: float, *, events: EventSink, env: WorkerEnv,
+                 rank: int, round_: int | None, step: int) -> None:
+    """Name this rank (a log line and ``step.stalled``), then dump its stacks into the log."""
+    logger.error("hang: rank %d on %s completed no step for %.1f s (over %.1f s, %g x the "
+                 "median step time); its Python stacks follow", rank, env.node_id,
+                 stalled_s, threshold_s, env.hang_factor)
+    events.emit("step.stalled", round=round_, step=step, stalled_s=round(stalled_s, 1),
+                threshold_s=round(threshold_s, 2))
+    dump_stacks()

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 from elastic_rt.acks import write_ack
 from elastic_rt.config import WorkerEnv
@@ -100,6 +100,10 @@ class RoundFollower:
             "Check that the agents are alive and can reach etcd.",
         )
 
+    def rank_in(self, round_: Round) -> int:
+        """This worker's global rank in ``round_`` (a round that includes it)."""
+        return round_.rank_offset(self.env.node_id) + self.env.local_rank
+
     def _in(self, round_: Round) -> bool:
         """``round_`` gives this worker a rank. A node whose workers are being replaced
         stays a member with fewer ranks (none); its replacements wait for the round
@@ -145,3 +149,35 @@ class RoundFollower:
     def close(self) -> None:
         self._cancel()
         self.kv.close()
+
+
+@runtime_checkable
+class Membership(Protocol):
+    """Where the elastic loop's rounds come from: what it asks of a :class:`RoundFollower`.
+
+    The loop calls nothing else, so a job outside ``elastic-rt launch`` runs the same
+    loop with a fixed membership (``worker/static_membership.py``).
+    """
+
+    @property
+    def registry(self) -> RunRegistry | None:
+        """The run's keys in etcd; None where there are none (no agents, no etcd)."""
+        ...
+
+    def current(self) -> Round: ...
+
+    def has_newer_round(self, than: int) -> bool: ...
+
+    def wait_for_round(self, after: int, timeout: timedelta) -> Round: ...
+
+    def rank_in(self, round_: Round) -> int: ...
+
+    def store_address(self, round_: Round, timeout: timedelta) -> tuple[str, int] | None: ...
+
+    def report_failure(self, round_: Round) -> None: ...
+
+    def announce(self) -> None: ...
+
+    def acknowledge(self, round_: Round) -> None: ...
+
+    def close(self) -> None: ...

@@ -5,7 +5,7 @@ passes the clock): the rate ``elastic-rt status`` shows and the median step time
 hang watchdog (:mod:`elastic_rt.worker.hang`) measures stalls against.
 :class:`ProgressPublisher` lets rank 0 write the step and rate to etcd, fenced by its
 round's token, at most once a second (one small write whatever the step time), and the
-round's layout once per round.
+round's layout once per round. :class:`StepReport` is what ``run(on_step=...)`` gets.
 """
 
 from __future__ import annotations
@@ -16,11 +16,25 @@ import statistics
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from elastic_rt.errors import FencedOutError, StoreError
 from elastic_rt.rendezvous.registry import RunRegistry
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What an ``on_step`` callback receives after every committed step."""
+
+    step: int
+    loss: float
+    """The mean loss over the whole global batch (all data-parallel ranks)."""
+    local_loss: float
+    """The mean loss over this rank's samples."""
+    world_size: int
+    round: int
 
 
 class StepClock:

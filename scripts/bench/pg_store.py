@@ -5,7 +5,7 @@ This times the same set/get round trips against a TCPStore on 127.0.0.1 and
 against etcd (an embedded server, through our EtcdKV), side by side.
 It also times a client that reaches a round's store 50 ms before its host starts
 (a re-form's usual order): TCPStore's own connect retry, which backs off after a
-refusal, against waiting for the host's listener first (``worker/store.py``).
+refusal, against waiting for the host's listener first (``worker/round_store.py``).
 Run: python scripts/bench/pg_store.py
 """
 
@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 from elastic_rt.etcd_server import EtcdServer, free_port  # noqa: E402
 from elastic_rt.rendezvous.etcd_kv import EtcdKV  # noqa: E402
-from elastic_rt.worker.store import await_listener  # noqa: E402
+from elastic_rt.worker.round_store import await_listener  # noqa: E402
 
 ROUNDS = 500
 LATE_HOST_S = 0.05

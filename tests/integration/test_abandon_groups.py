@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from elastic_rt.layout import Layout
 from elastic_rt.process_groups import abandon_groups, destroy_groups, init_groups
-from elastic_rt.worker.abort import RoundAbandoned, round_notice
+from elastic_rt.errors import RoundAbandoned
+from elastic_rt.worker.abort import round_notice
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state, pick_source
 from tests.fixtures.torchdist import (
     NOTICE_AFTER_S,

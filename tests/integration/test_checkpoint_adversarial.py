@@ -597,7 +597,7 @@ def test_a_stale_partial_is_cleaned_up(tmp_path: Path) -> None:
     site = Site(str(root), {}, tmp_path / "pwned")
     stale = "step-00000001-g000001-aaaaaa"
     _live_partial(site, stale)
-    from elastic_rt.checkpoint.checkpointer import PARTIAL_GRACE_S
+    from elastic_rt.checkpoint.commit import PARTIAL_GRACE_S
     age(root / stale, PARTIAL_GRACE_S + 60)
     site.checkpointer(keep=1).save(2, _state(2.0))
     assert stale not in site.storage.list_dirs()

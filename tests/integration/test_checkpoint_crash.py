@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elastic_rt.checkpoint import Checkpointer
-from elastic_rt.checkpoint.checkpointer import PARTIAL_GRACE_S
+from elastic_rt.checkpoint.commit import PARTIAL_GRACE_S
 from elastic_rt.checkpoint.inspect import verify
 from elastic_rt.checkpoint.manifest import MANIFEST_FILE
 from tests.checkpoint_tamper import age

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from elastic_rt.harness import wait_until
 from elastic_rt.layout import Layout
 from elastic_rt.process_groups import abandon_groups, init_groups, side_group
-from elastic_rt.worker.abort import RoundAbandoned, round_notice
+from elastic_rt.errors import RoundAbandoned
+from elastic_rt.worker.abort import round_notice
 from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring
 from tests.fixtures.torchdist import (
     NOTICE_AFTER_S,

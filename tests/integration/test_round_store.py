@@ -14,7 +14,8 @@ import pytest
 import torch.distributed as dist
 
 from elastic_rt.etcd_server import free_port
-from elastic_rt.worker.store import NewerRound, await_listener, join_round_store
+from elastic_rt.errors import NewerRound
+from elastic_rt.worker.round_store import await_listener, join_round_store
 
 ADDRESS_HOST = "127.0.0.1"
 TIMEOUT = timedelta(seconds=10)

@@ -9,7 +9,8 @@ import torch
 from torch.futures import Future
 
 from elastic_rt.rendezvous.rounds import Round
-from elastic_rt.worker.abort import RoundAbandoned, RoundNotice, drops_a_member
+from elastic_rt.errors import RoundAbandoned
+from elastic_rt.worker.abort import RoundNotice, drops_a_member
 
 
 def _round(number: int, *members: str, nprocs: tuple[int, ...] | None = None) -> Round:

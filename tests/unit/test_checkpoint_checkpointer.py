@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from elastic_rt.checkpoint import Checkpointer
-from elastic_rt.checkpoint.checkpointer import PARTIAL_GRACE_S
+from elastic_rt.checkpoint.commit import PARTIAL_GRACE_S
 from elastic_rt.checkpoint.inspect import ls, verify
 from elastic_rt.checkpoint.manifest import MANIFEST_FILE
 from elastic_rt.checkpoint.storage import call_with_retries
@@ -36,7 +36,7 @@ class FencedPointer:
     def read(self) -> str | None:
         return self.name
 
-    def commit(self, name: str) -> None:
+    def commit(self, name: str, *, step: int, token: int | None) -> None:
         if self.is_fenced:
             raise FencedOutError("round 3 is stale")
         self.name = name

@@ -24,15 +24,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from elastic_rt.errors import NewerRound
+
 CONNECT_ATTEMPT = timedelta(seconds=2)
 """One attempt to reach a round's store; between attempts a worker looks for a newer round."""
 
 LISTEN_POLL_S = 0.005
 """Between two looks at whether the round's store host listens yet."""
-
-
-class NewerRound(Exception):
-    """A newer round formed while this one was being joined: join that one instead."""
 
 
 def open_round_store(

@@ -1,0 +1,71 @@
+"""What ``elastic_rt.run`` was asked for, checked once, before anything starts.
+
+The rule: every combination the runtime cannot train is refused here with one
+:class:`~elastic_rt.errors.ConfigError` line (the field, its value, the fix), so that
+no rank starts a round it would fail in. Frozen: the loop reads these for the whole run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from elastic_rt.config import DEFAULT_REFORM_TIMEOUT
+from elastic_rt.errors import ConfigError
+from elastic_rt.layout import ModelLimits
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunOptions:
+    """The knobs of one elastic run (see :func:`elastic_rt.run` for each one's meaning).
+
+    Raises:
+        ConfigError: from ``__post_init__``, for a combination that cannot train.
+    """
+
+    global_batch_size: int
+    """Samples per optimizer step over all ranks; fixed whatever the world size."""
+    max_steps: int
+    is_step_owned: bool = False
+    """``step=None``: the object ``build`` returns owns its step (model parallelism)."""
+    seed: int = 0
+    micro_batch_size: int | None = None
+    limits: ModelLimits = field(default_factory=ModelLimits)
+    max_failed_steps: int = 3
+    """The same step failing this often is raised, not retried."""
+    reform_timeout: timedelta = DEFAULT_REFORM_TIMEOUT
+    """The most to wait for a round that includes this node."""
+    autocast_dtype: torch.dtype | None = None
+    clip_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 0 or self.global_batch_size < 1:
+            raise ConfigError(
+                f"max_steps={self.max_steps}, global_batch_size={self.global_batch_size}",
+                "Pass max_steps >= 0 and global_batch_size >= 1.",
+            )
+        if self.is_step_owned and self.micro_batch_size is not None:
+            raise ConfigError(
+                "micro_batch_size is set but build() owns its step (step=None)",
+                "Split micro-batches inside the object's step(), or pass a step function.",
+            )
+        if self.is_step_owned and (self.autocast_dtype is not None
+                                   or self.clip_grad_norm is not None):
+            raise ConfigError(
+                "autocast_dtype or clip_grad_norm is set but build() owns its step (step=None)",
+                "Apply autocast and clipping inside the object's step(), or pass a step function.",
+            )
+        if self.is_sharded and (self.micro_batch_size or self.autocast_dtype):
+            # FSDP needs every rank to run the same number of forwards (their all-gathers), and
+            # mixed precision is its own MixedPrecisionPolicy: neither is wired in yet.
+            raise ConfigError(
+                "micro_batch_size or autocast_dtype is set with a sharded layout (max_shard > 1)",
+                "Leave both unset with max_shard > 1, or train replicated (max_shard=1).",
+            )
+
+    @property
+    def is_sharded(self) -> bool:
+        """The runtime trains a step function under FSDP (``limits.max_shard > 1``)."""
+        return not self.is_step_owned and self.limits.max_shard > 1
