@@ -24,8 +24,8 @@ backward runs (``worker/grad_sync.py``), weighting each rank's loss by its share
 gradient is exactly the global-batch mean whatever the split; batches come from a
 ``DataLoader`` over the ``ElasticSampler`` (``worker/batches.py``), re-split at every
 re-form; autocast, clipping, the optimizer and the LR scheduler are applied
-(``worker/replicated.py``). An exception from the user's own code (dataset, step,
-model) is not a lost peer: the job ends at once, on every node, with that traceback
+(``worker/trainers/runtime_step.py``). An exception from the user's own code (dataset,
+step, model) is not a lost peer: the job ends at once, on every node, with that traceback
 and a one-line root cause (``worker/failures.py``).
 
 **Reports.** Rank 0 keeps the run's ``layout`` and ``progress`` keys current for
@@ -39,9 +39,10 @@ returns an object with ``step(batch) -> float``, ``state_dict()`` and
 ``load_state_dict()`` that takes its groups from :func:`elastic_rt.context` and does
 its own forward, backward, reduction and optimizer step on this rank's share of the
 global batch. The layout is re-planned from ``limits`` and the object rebuilt every
-round. Its state comes from surviving ranks when they hold every shard of one cut at
-one step (``shard_sync``), else from the newest committed checkpoint, resharded: the
-step counter and sampler roll back with it (work lost <= the checkpoint interval).
+round. Its state comes from surviving ranks when they hold every part of one cut at one
+step (``trainers/model_parallel/part_broadcast.py``), else from the newest committed
+checkpoint, loaded into the new layout: the step counter and sampler roll back with it
+(work lost <= the checkpoint interval).
 """
 
 from __future__ import annotations
