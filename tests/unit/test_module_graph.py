@@ -42,6 +42,17 @@ def _imports() -> dict[str, set[str]]:
     return graph
 
 
+def _reached(graph: dict[str, set[str]], start: set[str]) -> set[str]:
+    """Every module ``start`` imports, however far (``start`` included)."""
+    reached, todo = set(start), list(start)
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in reached:
+                reached.add(nxt)
+                todo.append(nxt)
+    return reached
+
+
 def test_no_module_imports_itself_through_others() -> None:
     graph = _imports()
     cycles = []
@@ -62,12 +73,7 @@ def test_no_module_imports_itself_through_others() -> None:
 def test_the_agent_side_reaches_no_torch_importing_module() -> None:
     graph = _imports()
     agent_side = {m for m in graph if m.startswith("agents")}
-    reached, todo = set(agent_side), list(agent_side)
-    while todo:
-        for nxt in graph[todo.pop()]:
-            if nxt not in reached:
-                reached.add(nxt)
-                todo.append(nxt)
+    reached = _reached(graph, agent_side)
     paths = _modules()
     torch_users = {m for m in reached if "import torch" in paths[m].read_text()}
     assert not torch_users, sorted(torch_users)
@@ -138,12 +144,7 @@ def test_the_policy_reaches_no_process_or_io_module() -> None:
     process, opens a socket or talks to etcd."""
     graph, paths = _imports(), _modules()
     policy = {m for m in graph if _within(m, "agents.policy")}
-    reached, todo = set(policy), list(policy)
-    while todo:
-        for nxt in graph[todo.pop()]:
-            if nxt not in reached:
-                reached.add(nxt)
-                todo.append(nxt)
+    reached = _reached(graph, policy)
     io = ("psutil", "subprocess", "socket", "threading", "etcd3", "grpc")
     users = sorted(f"{m} imports {t}" for m in reached for t in _every_import(paths[m])
                    if any(_within(t, name) for name in io))
