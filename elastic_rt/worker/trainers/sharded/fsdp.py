@@ -97,17 +97,31 @@ class ShardedGradients:
         """Nothing to remove: the model dies with its round."""
 
 
+def put_shards_back(model: torch.nn.Module) -> None:
+    """Register every module's own shards again after a step failed part-way (local, no
+    communication), so that :func:`local_piece` can read a model about to be dropped.
+
+    A step that failed between forward and backward, or inside the forward, leaves the
+    gathered (full) parameters registered, and then the optimizer's (sharded) parameters
+    are not the model's. Inside the forward FSDP's own ``reshard()`` keeps the root's
+    gathered parameters (the root does not reshard after forward by default), so every
+    module is told to reshard after forward first: the model trains differently from
+    then on, which is why this is only for one that is dropped.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(True, recurse=False)
+            module.reshard()
+
+
 def local_piece(state: TrainState) -> Piece:
     """This rank's piece of model and optimizer state, as detached CPU tensors.
 
-    Reads only local shards: safe after the round's groups are destroyed.
+    Reads only local shards: safe after the round's groups are destroyed. The model's
+    registered parameters must be its shards: between steps they are; after a failed
+    step call :func:`put_shards_back` first.
     """
     model, optimizer = state.model, state.optimizer
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # A step that failed between forward and backward leaves the gathered (full)
-            # parameters registered; put the shards back (local, no communication).
-            module.reshard()
     names = {id(p): name for name, p in model.named_parameters()}
     piece: Piece = {"params": {}, "optim_rows": {}, "optim_whole": {}, "groups": []}
     for name, param in model.named_parameters():

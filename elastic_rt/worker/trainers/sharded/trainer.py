@@ -48,6 +48,7 @@ from elastic_rt.worker.trainers.sharded.fsdp import (
     ShardedGradients,
     load_whole,
     local_piece,
+    put_shards_back,
     row_targets,
     shard_train_state,
 )
@@ -121,6 +122,7 @@ class ShardedTrainer(TrainStateTrainer):
                 assert old is not None and old_stepper is not None
                 if sources.step == live_step and lives[ctx.rank][:1] == [
                         Holding(live_step, sources.count, index)]:
+                    put_shards_back(old.model)  # the step that failed may be mid-forward
                     return {"piece": local_piece(old),
                             "meta": at.meta(old, old_stepper, step=live_step).encode()}
                 snapshot = next(s for s in snapshots if s.step == sources.step)
