@@ -130,6 +130,11 @@ class NoEventsError(UserError):
     """An event file is missing, empty or holds no events. Not retryable."""
 
 
+class StateLostError(ElasticError):
+    """The job trained, but no rank holds its state and no checkpoint is committed. Not
+    retryable: starting again from step 0 would redo the job silently, so the job ends."""
+
+
 class UserCodeError(ElasticError):
     """The user's step, dataset or model raised (not a peer's failure). Not retryable:
     the same code would fail the same way on every retry, so the job ends.

@@ -22,7 +22,7 @@ from typing import Iterator, NoReturn
 import torch.distributed as dist
 
 from elastic_rt.config import ERROR_FILE_ENV
-from elastic_rt.errors import StoreError, UserCodeError
+from elastic_rt.errors import StateLostError, StoreError, UserCodeError
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.root_cause import write_error_file
@@ -66,9 +66,10 @@ def user_code(*, rank: int, step: int) -> Iterator[None]:
         raise UserCodeError(_one_line(exc), rank=rank, step=step) from exc
 
 
-def end_job(exc: UserCodeError, *, registry: RunRegistry | None, events: EventSink,
-            round: int | None) -> NoReturn:
-    """The user's code raised: stop the job on every node instead of retrying it.
+def end_job(exc: UserCodeError | StateLostError, *, registry: RunRegistry | None,
+            events: EventSink, round: int | None) -> NoReturn:
+    """The user's code raised, or the job's state is gone: stop the job on every node
+    instead of retrying it (or starting it over).
 
     The error file and the one-line root cause go out first: closing the run makes
     every agent stop its workers (this one too) and exit non-zero with that root
@@ -77,17 +78,20 @@ def end_job(exc: UserCodeError, *, registry: RunRegistry | None, events: EventSi
     torchrun's does from ``@record``'s; it is printed here only if no file took it.
 
     Raises:
-        UserCodeError: ``exc`` itself where there is no run to close (no ``registry``:
-            outside ``elastic-rt launch``), so the script gets it with its traceback.
+        UserCodeError, StateLostError: ``exc`` itself where there is no run to close (no
+            ``registry``: outside ``elastic-rt launch``), so the script gets it.
         SystemExit: with code 1 once the run is closed.
     """
     if registry is None:
         raise exc
+    is_user_code = isinstance(exc, UserCodeError)
+    step = exc.step if isinstance(exc, UserCodeError) else None
     if not write_error_file(os.environ.get(ERROR_FILE_ENV, ""), exc.__cause__ or exc,
-                            step=exc.step):
+                            step=step) and is_user_code:
         logger.error("user code failed:", exc_info=exc.__cause__)
-    logger.error("%s (an error in the user's code: the job ends, it is not retried)", exc)
-    events.emit("step.failed", round=round, step=exc.step, error=str(exc))
+    why = "an error in the user's code" if is_user_code else "nothing left to restore from"
+    logger.error("%s (%s: the job ends, it is not retried)", exc, why)
+    events.emit("step.failed", round=round, step=step, error=str(exc))
     try:
         registry.close(f"failed: {exc}")
     except StoreError as store_exc:

@@ -68,6 +68,7 @@ from elastic_rt.errors import (
     NewerRound,
     RendezvousClosedError,
     RoundAbandoned,
+    StateLostError,
     UserCodeError,
 )
 from elastic_rt.events import EventSink
@@ -88,7 +89,7 @@ from elastic_rt.worker.failures import end_job, user_code
 from elastic_rt.worker.grad_sync import GradSync
 from elastic_rt.worker.hang import HangWatchdog, report_stall
 from elastic_rt.worker.joined_round import JoinedRound, close_round, collective_timeout, join
-from elastic_rt.worker.progress import ProgressPublisher, StepClock, StepReport
+from elastic_rt.worker.progress import ProgressPublisher, StepClock, StepReport, published_step
 from elastic_rt.worker.run_options import RunOptions
 from elastic_rt.worker.trainers import (
     BuildFn,
@@ -233,7 +234,7 @@ class _ElasticLoop:
                     break
                 except NewerRound:
                     logger.info("newer round pending; re-forming at step %d", self.progress.step)
-                except UserCodeError as exc:
+                except (UserCodeError, StateLostError) as exc:
                     end_job(exc, registry=self.membership.registry, events=self.events,
                             round=self.joined.number if self.joined else None)
                 except (RoundAbandoned, RuntimeError, dist.DistError) as exc:
@@ -302,8 +303,12 @@ class _ElasticLoop:
     def restore(self, joined: JoinedRound) -> None:
         began = time.monotonic()
         source = self.trainer.restore(Restoring(ctx=joined.ctx, checkpoint=self.checkpoint,
-                                                sampler=self.sampler, progress=self.progress))
+                                                sampler=self.sampler, progress=self.progress,
+                                                run_reached=self._published_step))
         self._phase("state.restored", began, source=source)
+
+    def _published_step(self) -> int:
+        return published_step(self.membership.registry)
 
     def resplit(self, joined: JoinedRound) -> None:
         self.sampler.set_world(joined.ctx.dp_rank, joined.ctx.dp_size)

@@ -125,3 +125,12 @@ class ProgressPublisher:
             with self._lock:
                 if self._closed and not self._pending:
                     return
+
+
+def published_step(registry: RunRegistry | None) -> int:
+    """The newest step the run has published in its ``progress`` key; -1 before the first,
+    and outside ``elastic-rt launch`` (no registry). A restore that finds no state reads
+    it, so that workers started again never begin the job anew without saying so."""
+    progress = registry.progress() if registry is not None else None
+    step = progress.get("step") if progress else None
+    return step if isinstance(step, int) else -1

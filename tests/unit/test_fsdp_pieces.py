@@ -52,8 +52,8 @@ def _fail_then_read(env: WorkerEnv, where: str) -> dict[str, object]:
     def lose_a_peer(*_: object) -> None:
         raise _PeerLost("the all-gather's peer died")
 
-    module = state.model.head if where == "mid-forward" else state.model
-    hook = (module.register_forward_pre_hook(lose_a_peer, prepend=True) if where == "mid-forward"
+    head: torch.nn.Module = state.model.head  # type: ignore[assignment]
+    hook = (head.register_forward_pre_hook(lose_a_peer, prepend=True) if where == "mid-forward"
             else None)
     try:
         loss = state.model(torch.ones(4, 8)).sum()

@@ -3,8 +3,11 @@
 Rule, for all three families alike (:func:`from_checkpoint_or_init`)::
 
     checkpoint committed?  -> its tensors, then its TrainMeta (position, then the rest)
-    else nobody held state -> the initial state, step 0
-    else                   -> ElasticError: state was lost and nothing is committed
+    else nobody held state -> the initial state, step 0 (a fresh start only)
+    else                   -> StateLostError: the job ends, it never starts over silently
+
+"Nobody held state" counts the run's published progress too: workers the agents started
+again (restart mode, the fallback) hold nothing, and would otherwise begin at step 0.
 
 The tensors load by name (:func:`named_state`), so a checkpoint of any layout loads into
 this one; the record beside them is decoded once, by :meth:`TrainMeta.decode`.
@@ -22,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from elastic_rt.checkpoint.checkpointer import CheckpointInfo
-from elastic_rt.errors import CheckpointNotFoundError, ElasticError
+from elastic_rt.errors import CheckpointNotFoundError, StateLostError
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.protocol import Restoring
@@ -96,7 +99,8 @@ def from_checkpoint_or_init(at: Restoring, load: Callable[[], Loaded | None], *,
             committed on a fresh start.
 
     Raises:
-        ElasticError: a rank held state (``last >= 0``) and nothing is committed.
+        StateLostError: a rank held state (``last >= 0``), or the run had published
+            progress, and nothing is committed.
     """
     loaded = load()
     at.progress.is_dirty = False
@@ -107,10 +111,12 @@ def from_checkpoint_or_init(at: Restoring, load: Callable[[], Loaded | None], *,
             logger.warning("no surviving copy of every piece at one step; rolled back from "
                            "step %d to %d", last, at.progress.step)
         return f"checkpoint {info.name}"
-    if last >= 0:
-        raise ElasticError(
-            f"model state held at step {last} was lost with no surviving copy and no "
-            "committed checkpoint; pass checkpoint=Checkpointer(url, every_steps=N)")
+    reached = at.run_reached()
+    if last >= 0 or reached > 0:
+        raise StateLostError(
+            f"the job's state at step {max(last, reached)} was lost with no surviving copy and no "
+            "committed checkpoint, so it cannot go on without starting over; pass "
+            "checkpoint=Checkpointer(url, every_steps=N) to ert.run")
     init()
     at.progress.step = 0
     return "init"

@@ -67,6 +67,9 @@ class Restoring:
     checkpoint: Checkpointer | None
     sampler: ElasticSampler
     progress: Progress
+    run_reached: Callable[[], int] = lambda: -1
+    """The newest step the run has published (its ``progress`` key), -1 before its first or
+    outside ``elastic-rt launch``: what a restore that finds no state must not start over from."""
 
     def meta(self, state: object, stepper: ReplicatedStep | None = None, *,
              step: int | None = None) -> TrainMeta:
