@@ -30,6 +30,7 @@ from elastic_rt.checkpoint import inspect as checkpoint_inspect  # noqa: E402
 from elastic_rt.events import Event, read_events  # noqa: E402
 
 PY = sys.executable
+MODEL_WIDTH, MODEL_HIDDEN = 1024, 4096
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,6 +68,7 @@ class Demo:
             "--lease-ttl", "3", "--events-file", str(self.events_file),
             str(REPO / "scripts" / "examples" / "elastic_train.py"),
             "--steps", str(self.steps), "--step-time", "0.05",
+            "--width", str(MODEL_WIDTH), "--hidden", str(MODEL_HIDDEN),
             "--checkpoint", f"file://{self.out / 'checkpoints'}", "--every", "25",
             "--out", str(self.out / "final_params.pt"),
         ]  # fmt: skip
@@ -185,6 +187,9 @@ def main() -> None:
     demo = Demo(out, args.steps)
     try:
         demo.start_etcd()
+        params = MODEL_WIDTH * MODEL_HIDDEN + 2 * MODEL_HIDDEN + 1
+        say(f"model: {params / 1e6:.1f}M parameters, {params * 16 / 2**20:.0f} MB of state per "
+            "replica (weights, gradients and AdamW's two moments)")
         for name in ("node-a", "node-b", "node-c"):
             demo.start_node(name)
         demo.wait_for_step(args.kill_at)

@@ -36,7 +36,8 @@ class Regression(torch.utils.data.Dataset):
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--width", type=int, default=32, help="input features")
+    p.add_argument("--hidden", type=int, default=64, help="hidden units (the model's size)")
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--step-time", type=float, default=0.0, help="simulated extra compute per step")
     p.add_argument("--checkpoint", default=None, help="URL for checkpoints (optional)")
@@ -68,7 +69,8 @@ def main() -> None:
         """Model and optimizer; called once per worker (survivors keep theirs)."""
         torch.manual_seed(0)  # every rank builds the same initial model
         model = torch.nn.Sequential(
-            torch.nn.Linear(args.width, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
+            torch.nn.Linear(args.width, args.hidden), torch.nn.Tanh(),
+            torch.nn.Linear(args.hidden, 1)
         )
         if args.device == "worker":
             model = model.to(ert.worker_device())  # before the optimizer takes its parameters
