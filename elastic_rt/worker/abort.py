@@ -19,6 +19,14 @@ the group would join it), and the step is retried in the new round. A late compl
 of abandoned work writes only into that round's buffers: gradient buckets are rebuilt
 at every re-form and state broadcasts receive into fresh tensors.
 
+Collectives the runtime does not wait on itself (FSDP's all-gathers, a pipeline's
+send/recv, DTensor's, the user's own) are freed on NCCL by the notice too: it aborts
+the process's NCCL communicators at once, from the watch thread, and a blocked NCCL
+collective then returns with an error (``process_groups.abort_groups``). Note: gloo has
+no such abort (torch 2.13's returns without freeing a blocked thread, and shutting its
+sockets from outside aborts the process), so on CPU such a collective waits for its
+peer's sockets to close or for its timeout.
+
 A round that only *adds* members (a node admitted) is no notice: our collectives
 will complete, and the loop re-forms at the next step boundary as before.
 
@@ -29,11 +37,12 @@ process). Outside the loop it is never given, and a wait is a plain wait.
 from __future__ import annotations
 
 import threading
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 from torch.futures import Future
 
 from elastic_rt.errors import RoundAbandoned
+from elastic_rt.process_groups import abort_groups
 from elastic_rt.rendezvous.rounds import Round
 
 __all__ = ["RoundAbandoned", "RoundNotice", "drops_a_member", "round_notice", "wait"]
@@ -61,7 +70,9 @@ class RoundNotice:
     complete on the backend's threads, and :meth:`wait` runs on the training thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_given: Callable[[], object] = lambda: None) -> None:
+        """``on_given`` runs once per notice, on the watching thread, after waits are woken."""
+        self._on_given = on_given
         self._cond = threading.Condition()
         self._training: Round | None = None
         self._given = False
@@ -75,10 +86,12 @@ class RoundNotice:
         """The run's round is now ``newest`` (from the watch)."""
         with self._cond:
             ours = self._training
-            if ours is None or newest.number <= ours.number or not drops_a_member(ours, newest):
+            if (ours is None or self._given or newest.number <= ours.number
+                    or not drops_a_member(ours, newest)):
                 return
             self._given = True
             self._cond.notify_all()
+        self._on_given()
 
     @property
     def is_given(self) -> bool:
@@ -106,7 +119,7 @@ class RoundNotice:
         return future.wait()
 
 
-_notice = RoundNotice()
+_notice = RoundNotice(on_given=abort_groups)
 
 
 def round_notice() -> RoundNotice:

@@ -64,3 +64,15 @@ def test_a_round_that_only_grows_is_no_notice() -> None:
     notice.observe(_round(2, "a", "b", "c"))
     notice.observe(_round(1, "a"))  # older than ours: not news
     assert not notice.is_given
+
+
+def test_a_notice_frees_collectives_it_does_not_wait_on_once() -> None:
+    """The hook (NCCL's abort in the worker) runs once per notice, never for growth."""
+    aborted: list[int] = []
+    notice = RoundNotice(on_given=lambda: aborted.append(1))
+    notice.train_in(_round(1, "a", "b", "c"))
+    notice.observe(_round(2, "a", "b", "c", "d"))  # growth: no notice
+    assert aborted == []
+    notice.observe(_round(2, "a", "b"))
+    notice.observe(_round(3, "a"))  # already given for this round
+    assert aborted == [1]
