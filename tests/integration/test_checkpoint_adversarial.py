@@ -613,10 +613,14 @@ def test_a_save_whose_folder_vanished_fails_and_commits_nothing(tmp_path: Path) 
     done = threading.Event()
 
     def remove_when_it_appears() -> None:
+        # Once a file of the save is in its folder: mid-write. (A folder removed before its
+        # first file is made again by the writer, and that save is whole; removing it then
+        # made this test pass or fail by timing.)
         while not removed.is_set() and not done.wait(0.001):  # until the save ends
             for folder in root.iterdir():
-                shutil.rmtree(folder, ignore_errors=True)
-                removed.set()
+                if folder.is_dir() and any(folder.iterdir()):
+                    shutil.rmtree(folder, ignore_errors=True)
+                    removed.set()
 
     remover = threading.Thread(target=remove_when_it_appears, daemon=True)
     remover.start()
