@@ -62,10 +62,17 @@ trial, only by elastic-rt's own failure handling (a failed socket, or the notice
 the round that drops the peer). Recovery times are reported as median and p90 over
 the trials.
 
-Both scripts build Linear(64, 64)-Tanh-Linear(64, 1) on 16 samples per rank (48
-per step) and sleep ``--step-time`` per step (simulated compute).
+Both scripts build a two-layer MLP on 16 samples per rank (48 per step) and sleep
+``--step-time`` per step (simulated compute). By default it is the 2,000-parameter
+Linear(64, 64)-Tanh-Linear(64, 1), which says nothing about large models: ``--state-mb``
+sizes it to that much replica state instead (12 bytes a parameter: weights and AdamW's
+two moments; 50, 400 and 1200 are what users have). Then each trial also reports the
+survivors' normal step (the median gap between their steps before the fault), recovery
+and pause *beyond* it, and the bytes of state the survivors' restore moved (the
+``bytes_moved`` of their ``state.restored`` events; "-" where the restore does not say).
 
 Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
+      python scripts/bench/recovery.py --cases inproc-kill inproc-join --state-mb 1200
       python scripts/bench/recovery.py --quick           # 1 repeat, no torchrun-default
       python scripts/bench/recovery.py --cases inproc-kill torchrun-fast --repeats 5
 """
@@ -98,6 +105,8 @@ NODES = ("a", "b", "c")
 VICTIM = "c"
 FAST_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,close_timeout=1"
 FAST_MONITOR = 0.1
+STATE_BYTES_PER_PARAM = 12  # float32 weights and AdamW's two moments
+WIDE_INPUT = 1024  # --state-mb's model: Linear(1024, H)-Tanh-Linear(H, 1)
 _POLL_S = 0.02  # how often waits look at the progress files (recovery times are in 0.1 s)
 T = TypeVar("T")
 
@@ -147,6 +156,10 @@ class Trial:
     """Longest gap between two completed steps from the fault to 3 steps after recovery."""
     reform_ms: int | None = None
     """In-process: the survivors' longest ``groups.reformed`` in the round they resumed in."""
+    step_s: float | None = None
+    """A survivor's median step time before the fault (what no recovery can beat)."""
+    bytes_moved: int | None = None
+    """In-process: the bytes the survivors' restores moved in the round they resumed in."""
 
 
 @dataclass(frozen=True)
@@ -199,11 +212,16 @@ class Job:
 
     def _script(self) -> list[str]:
         a = self.args
-        common = ["--steps", "100000", "--step-time", str(a.step_time), "--width", "64"]
+        common = ["--steps", "100000", "--step-time", str(a.step_time)]
+        params = int(a.state_mb * 1e6 / STATE_BYTES_PER_PARAM)
         if self.case.in_process:
-            return [ELASTIC_SCRIPT, *common, "--global-batch", "48",
+            size = (["--width", str(WIDE_INPUT), "--hidden", str(max(1, params // WIDE_INPUT))]
+                    if a.state_mb else ["--width", "64"])
+            return [ELASTIC_SCRIPT, *common, *size, "--global-batch", "48",
                     "--checkpoint", str(self.work / "ckpt"), "--every", str(a.ckpt_every)]
-        return [TORCHRUN_SCRIPT, *common, "--ckpt", str(self.work / "ckpt.pt"),
+        width = int(params ** 0.5) if a.state_mb else 64  # Linear(w, w)-Tanh-Linear(w, 1)
+        return [TORCHRUN_SCRIPT, *common, "--width", str(width),
+                "--ckpt", str(self.work / "ckpt.pt"),
                 "--ckpt-every", str(a.ckpt_every), "--progress", str(self.output)]
 
     def _command(self, node: str) -> list[str]:
@@ -293,7 +311,16 @@ class Job:
         return Trial(recovery_s=first.time - stamp,
                      steps_lost=max(0, last_before - (first.step - 1)), last_before=last_before,
                      resumed_from=first.step - 1, victim_rank=victim_rank, pause_s=pause,
-                     reform_ms=self._reform_ms(first.round))
+                     reform_ms=self._reform_ms(first.round), step_s=_step_time(before),
+                     bytes_moved=self._bytes_moved(first.round))
+
+    def _bytes_moved(self, round_: int | None) -> int | None:
+        if not self.case.in_process:
+            return None
+        moved = [e.metadata.get("bytes_moved") for e in read_events(str(self.events))
+                 if e.name == "state.restored" and e.round == round_ and e.node != VICTIM]
+        counts = [m for m in moved if isinstance(m, int)]
+        return sum(counts) if counts and len(counts) == len(moved) else None
 
     def _reform_ms(self, round_: int | None) -> int | None:
         if not self.case.in_process:
@@ -336,6 +363,19 @@ class Job:
         return stamp
 
 
+def _step_time(rows: list[Row]) -> float | None:
+    """The median gap between one rank's consecutive steps (the first rank's, before the fault)."""
+    if not rows:
+        return None
+    rank = rows[0].rank
+    times = sorted(r.time for r in rows if r.rank == rank)
+    return median([b - a for a, b in zip(times, times[1:])])
+
+
+def _beyond(value: float | None, step: float | None) -> str:
+    return "-" if value is None or step is None else fmt(value - step)
+
+
 def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root: Path,
              repeats: int) -> list[Trial]:
     trials = []
@@ -353,7 +393,9 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
         trials.append(trial)
         print(f"  {case.name} #{i + 1}: recovery {fmt(trial.recovery_s)} s, steps lost "
               f"{fmt(trial.steps_lost, 'd')}, longest pause {fmt(trial.pause_s)} s, "
-              f"groups.reformed {fmt(trial.reform_ms, 'd')} ms "
+              f"groups.reformed {fmt(trial.reform_ms, 'd')} ms, normal step "
+              f"{fmt(trial.step_s)} s (recovery {_beyond(trial.recovery_s, trial.step_s)} s "
+              f"beyond it), bytes moved {fmt(trial.bytes_moved, 'd')} "
               f"(last {trial.last_before}, resumed from "
               f"{trial.resumed_from}), victim rank {trial.victim_rank}, trial took "
               f"{time.monotonic() - began:.0f} s{'  ERROR: ' + trial.error if trial.error else ''}"
@@ -376,15 +418,21 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
         lost = median([t.steps_lost for t in ok])
         pauses = [t.pause_s for t in ok if t.pause_s is not None]
         reforms = [t.reform_ms for t in ok if t.reform_ms is not None]
+        step = median([t.step_s for t in ok if t.step_s is not None])
+        moved = median([t.bytes_moved for t in ok if t.bytes_moved is not None])
         rows.append([
             name, f"{len(ok)}/{len(trials)}", fmt(med[name]), fmt(p90(times)),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
             fmt(lost, ".0f"), fmt(median(pauses)), fmt(p90(pauses)),
             f"{fmt(median(reforms), '.0f')} / {fmt(p90(reforms), '.0f')}",
+            fmt(step), _beyond(med[name], step), _beyond(median(pauses), step),
+            fmt(moved, ".0f"),
             ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
         ])  # fmt: skip
     return table(["case", "ok", "recovery s (median)", "p90", "min-max", "steps lost (median)",
                   "longest pause s (median)", "p90", "groups.reformed ms (median / p90)",
+                  "normal step s", "recovery beyond a step", "pause beyond a step",
+                  "bytes moved (median)",
                   "torchrun-default / this",
                   "torchrun-fast / this", "target"], rows)
 
@@ -400,6 +448,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=35,
                    help="fault once this step is done (35: mid-way between checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--state-mb", type=float, default=0,
+                   help="size the model to this much replica state (MB; 0: the 2,000-parameter "
+                        "model)")
     p.add_argument("--step-time", type=float, default=0.05, help="simulated compute per step (s)")
     p.add_argument("--lease-ttl", type=int, default=3, help="elastic-rt --lease-ttl (s)")
     p.add_argument("--collective-timeout", type=float, default=600,
@@ -425,7 +476,10 @@ def main() -> int:
         return 2
     repeats = 1 if args.quick else args.repeats
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
-    print(f"recovery benchmark: 3 nodes x 1 gloo worker, fault on node {VICTIM} at step "
+    state = (f"{args.state_mb:g} MB of replica state "
+             f"({args.state_mb * 1e6 / STATE_BYTES_PER_PARAM / 1e6:.1f}M parameters)"
+             if args.state_mb else "a 2,000-parameter model")
+    print(f"recovery benchmark: 3 nodes x 1 gloo worker, {state}, fault on node {VICTIM} at step "
           f"{args.kill_step}, step time {args.step_time} s, checkpoint every {args.ckpt_every} "
           f"steps, elastic-rt --lease-ttl {args.lease_ttl}, torchrun-fast --rdzv-conf "
           f"{args.torchrun_fast_conf} --monitor-interval {args.torchrun_fast_monitor}; "
