@@ -51,6 +51,11 @@ class CheckpointMismatchError(UserError):
     """A checkpoint does not fit the model it is loaded into. Not retryable."""
 
 
+class ReplicaMismatchError(UserError):
+    """A rank's model or optimizer does not fit the replica it restores from (``build``
+    made another one there). Not retryable."""
+
+
 class RendezvousError(ElasticError):
     """Base of rendezvous failures."""
 

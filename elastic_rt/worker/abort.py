@@ -17,7 +17,9 @@ treats as a failed collective: as after any failed collective, the round's group
 ``abort()`` returns without freeing a thread blocked on a stopped peer, and destroying
 the group would join it), and the step is retried in the new round. A late completion
 of abandoned work writes only into that round's buffers: gradient buckets are rebuilt
-at every re-form and state broadcasts receive into fresh tensors.
+at every re-form and state broadcasts receive into fresh tensors. A replica's transfer
+receives in place, but a late byte there is the same byte of the same step
+(``trainers/replica_transfer.py``).
 
 Collectives the runtime does not wait on itself (FSDP's all-gathers, a pipeline's
 send/recv, DTensor's, the user's own) are freed on NCCL by the notice too: it aborts

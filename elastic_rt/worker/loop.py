@@ -302,10 +302,11 @@ class _ElasticLoop:
 
     def restore(self, joined: JoinedRound) -> None:
         began = time.monotonic()
-        source = self.trainer.restore(Restoring(ctx=joined.ctx, checkpoint=self.checkpoint,
-                                                sampler=self.sampler, progress=self.progress,
-                                                run_reached=self._published_step))
-        self._phase("state.restored", began, source=source)
+        restored = self.trainer.restore(Restoring(ctx=joined.ctx, checkpoint=self.checkpoint,
+                                                  sampler=self.sampler, progress=self.progress,
+                                                  run_reached=self._published_step))
+        self._phase("state.restored", began, source=restored.source,
+                    bytes_moved=restored.bytes_moved)
 
     def _published_step(self) -> int:
         return published_step(self.membership.registry)

@@ -79,7 +79,7 @@ def timed_restore(trainer: ShardedTrainer, ctx: Context, ckpt: Checkpointer | No
     dist.barrier(group=ctx.groups.world)
     began = time.perf_counter()
     source = trainer.restore(Restoring(ctx=ctx, checkpoint=ckpt, sampler=sampler,
-                                       progress=progress))
+                                       progress=progress)).source
     dist.barrier(group=ctx.groups.world)
     return time.perf_counter() - began, source
 

@@ -22,7 +22,8 @@ from elastic_rt.layout import Layout
 from elastic_rt.process_groups import abandon_groups, destroy_groups, init_groups
 from elastic_rt.errors import RoundAbandoned
 from elastic_rt.worker.abort import round_notice
-from elastic_rt.worker.trainers.replica_broadcast import broadcast_state, pick_source
+from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
+from elastic_rt.worker.trainers.replica_transfer import agree
 from tests.fixtures.torchdist import (
     NOTICE_AFTER_S,
     TEN_MINUTES,
@@ -61,7 +62,8 @@ def _survive_a_hung_peer(env: WorkerEnv) -> dict[str, object]:
     abandon_groups(groups)
     notice.train_in(loopback_round(1, "a", "b"))
     groups = _form(env, Layout(dp=2), 1)
-    src, step = pick_source(10 if env.rank == 0 else 9, groups.world)
+    agreement = agree(10 if env.rank == 0 else 9, 0, groups.world)
+    src, step = agreement.holders[0], agreement.step
     state = broadcast_state({"w": torch.arange(3.0) * (env.rank + 1), "step": step}, src,
                             groups.world)
     total = torch.tensor([float(env.rank + 1)])

@@ -96,7 +96,7 @@ def test_a_field_added_to_train_meta_reaches_the_checkpoint_and_both_restores(
     assert not dist.is_initialized()
     got = run_paths(WorkerEnv(rank=0, nprocs=1, store=dist.HashStore()), tmp_path.as_uri())
     assert got == {
-        "replica": ["rank 0", "held by rank 0", 5],
+        "replica": ["kept", None, 5],  # the only rank holds it: nothing moves
         "replicated checkpoint": ["checkpoint", "saved by rank 0", 5],
         "sharded": ["replicas", "piece of rank 0", 7],
         "sharded checkpoint": ["checkpoint", "sharded save by rank 0", 7],

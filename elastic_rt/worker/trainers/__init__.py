@@ -5,7 +5,8 @@ Rule: ``step=None`` -> model parallel; ``limits.max_shard > 1`` -> sharded; else
 Each family restores from the first source that has the state::
 
     family           trains                                restores from
-    replicated       a TrainState on every dp rank         replica_broadcast | checkpoint | init
+    replicated       a TrainState on every dp rank         kept | replica_transfer | checkpoint
+                                                           | init
     sharded/         a TrainState under FSDP2 / HSDP       row_fetch of live pieces | of
                                                            peer_copies | checkpoint | init
     model_parallel/  an object owning its step, pp x tp    part_broadcast | checkpoint | init

@@ -1,6 +1,7 @@
 """What the loop sees of a trainer: :class:`Trainer`, and what a restore reads and moves.
 
-Rule: the loop calls ``restore`` after every re-form, then ``train`` step by step; it saves
+Rule: the loop calls ``restore`` after every re-form (it says where the state came from and
+how many bytes of it this rank moved, :class:`Restored`), then ``train`` step by step; it saves
 ``checkpoint_state()`` (tensors, loaded by name into any layout) with
 ``checkpoint_meta(...).encode()`` beside them, and calls ``release`` before the round's groups
 are destroyed. Nothing else of a trainer is the loop's business. A restore moves the loop's
@@ -85,14 +86,25 @@ class Restoring:
         meta.apply(state=state, stepper=stepper)
 
 
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What a restore did, for the loop's ``state.restored`` event."""
+
+    source: str
+    """Where the state came from: ``kept``, ``rank 0``, ``checkpoint <name>``, ``init``..."""
+    bytes_moved: int | None = None
+    """Bytes of state this rank sent or received from other ranks; None where the family
+    does not count them (a checkpoint read, the sharded and model-parallel families)."""
+
+
 class Trainer(Protocol):
     """One rank's trainable state and how it steps, restores and is checkpointed."""
 
     def result(self) -> Any:
         """What ``run`` returns: the ``TrainState`` or the object ``build`` made."""
 
-    def restore(self, at: Restoring) -> str:
-        """Bring this rank's state to the newest step any rank holds; where it came from."""
+    def restore(self, at: Restoring) -> Restored:
+        """Bring this rank's state to the newest step any rank holds."""
 
     def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
               step: int) -> tuple[float, float]:

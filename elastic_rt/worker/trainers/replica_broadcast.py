@@ -1,18 +1,15 @@
-"""Broadcast a whole replica from one survivor to every rank of a new round.
+"""One rank's state, whole, to every rank of a group: a few collectives, one per dtype.
 
-Rule: the lowest rank with the highest step is the source (:func:`pick_source`); every other
-rank receives its state whole (:func:`broadcast_state`): a few collectives, one per dtype.
+Rule: :func:`broadcast_state` sends a nested dict of tensors and plain values from ``src``;
+the structure (keys, shapes, dtypes, plain values such as param_groups) travels as one
+small pickled object, the tensors as one flat buffer per dtype, so a model of many small
+tensors costs a few collectives, not thousands.
 
-After a re-form, survivors hold the state of the last step they committed and
-newcomers hold nothing. All ranks exchange their step; the lowest rank with the
-highest step is the source. A rank whose collective failed *after* others had
-finished the step is simply behind: taking the highest step is right because a
-step only completes once its gradient all-reduce has seen every rank's share.
-
-The structure (keys, shapes, dtypes, plain values such as param_groups) travels
-as one small object broadcast; the tensors travel as one flat buffer per dtype,
-so a model of many small tensors costs a few collectives, not thousands. The tensor
-collectives are waited on through the round's abort notice (``worker/abort.py``) and
+Its users send what every rank needs whole: rank 0's initial model on a fresh start, a
+model-parallel part's state (``model_parallel/part_broadcast.py``), FSDP rows
+(``sharded/row_fetch.py``), and the replicated family's small ``Outline``. A replica's
+tensors go point to point, only to the ranks that lack them (``replica_transfer.py``).
+The collectives are waited on through the round's abort notice (``worker/abort.py``) and
 receive into fresh buffers, so one abandoned by a newer round writes into nothing the
 next round reads.
 """
@@ -34,17 +31,6 @@ class _TensorSlot:
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-def pick_source(step: int, group: dist.ProcessGroup) -> tuple[int, int]:
-    """(source rank in ``group``, its step); ``step`` is -1 on ranks with no state."""
-    world = dist.get_world_size(group)
-    steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    _wait(dist.all_gather(steps, torch.tensor([step], dtype=torch.int64), group=group,
-                          async_op=True))
-    values = [int(s.item()) for s in steps]
-    best = max(values)
-    return values.index(best), best
 
 
 def broadcast_state(state: Any, src: int, group: dist.ProcessGroup) -> Any:

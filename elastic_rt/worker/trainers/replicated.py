@@ -1,18 +1,24 @@
 """The replicated family: one ``TrainState`` on every data-parallel rank, stepped by the runtime.
 
-Rule: a replica is restored whole, from the most advanced survivor::
+Rule: nothing moves where nothing must (``replica_transfer``, ``replica_state``)::
 
-    pick_source(step)  -> the lowest rank with the highest step
-    best >= 0          -> broadcast its state and TrainMeta to every rank (0 steps lost)
-    else               -> the newest committed checkpoint, else rank 0's build (a fresh start)
+    agree(step, fingerprint)  -> one all-gather of 16 bytes a rank
+    every rank holds it       -> nothing moves: "kept", 0 bytes (a node kill)
+    some ranks lack it        -> holder 0 broadcasts the small Outline; the tensors go point to
+                                 point from the holders, striped, into the receivers' own tensors
+    nobody holds state        -> the newest committed checkpoint, else rank 0's build (a start)
 
 Built once per worker: survivors keep theirs, and their state is already that of the last
-committed step (the runtime's step changes it only after its last collective).
+committed step (the runtime's step changes it only after its last collective). At 1.2 GB of
+AdamW state on 3 ranks a node kill used to cost the survivors a 5.4 s broadcast of the
+whole state; now it costs one small collective.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch.distributed as dist
 
 from elastic_rt.worker.context import Context
 from elastic_rt.worker.train_state import TrainState
@@ -21,43 +27,73 @@ from elastic_rt.worker.trainers.checkpoint_restore import (
     load_checkpoint_into,
 )
 from elastic_rt.worker.trainers.meta import TrainMeta
-from elastic_rt.worker.trainers.protocol import BuildFn, Restoring
-from elastic_rt.worker.trainers.replica_broadcast import broadcast_state, pick_source
+from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring
+from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
+from elastic_rt.worker.trainers.replica_state import Outline, load_rest, named_tensors, tensors_for
+from elastic_rt.worker.trainers.replica_transfer import (
+    CHUNK_BYTES,
+    Agreement,
+    agree,
+    fingerprint,
+    transfer,
+)
 from elastic_rt.worker.trainers.runtime_step import ReplicatedStep, StepFn, StepOptions
 from elastic_rt.worker.trainers.train_state_trainer import TrainStateTrainer
 
 
 class ReplicatedTrainer(TrainStateTrainer):
-    """A ``TrainState`` replicated on every data-parallel rank; the runtime does its step."""
+    """A ``TrainState`` replicated on every data-parallel rank; the runtime does its step.
 
-    def __init__(self, build: BuildFn, step_fn: StepFn, options: StepOptions) -> None:
+    Args:
+        chunk_bytes: the most bytes one message of a restore carries.
+    """
+
+    def __init__(self, build: BuildFn, step_fn: StepFn, options: StepOptions, *,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         self.build, self.step_fn, self.options = build, step_fn, options
+        self.chunk_bytes = chunk_bytes
         self.state: TrainState | None = None
         self.stepper: ReplicatedStep | None = None
 
-    def restore(self, at: Restoring) -> str:
+    def restore(self, at: Restoring) -> Restored:
         if self.state is None or self.stepper is None:
             self.state = self.build(at.ctx.layout)
             self.stepper = ReplicatedStep(self.state, self.step_fn, self.options)
         state, stepper = self.state, self.stepper
         group = at.ctx.groups.world
-        src, best = pick_source(at.progress.step, group)
-        if best < 0:
+        step = at.progress.step
+        held = fingerprint([t for _, t in named_tensors(state)]) if step >= 0 else 0
+        agreement = agree(step, held, group)
+        if agreement.step < 0:
             def init() -> None:  # rank 0's build is everybody's start
                 state.model.load_state_dict(broadcast_state(state.model.state_dict(), 0, group))
-            source = from_checkpoint_or_init(at, lambda: load_checkpoint_into(state, at),
-                                             state=state, stepper=stepper, last=best, init=init)
+            restored = Restored(from_checkpoint_or_init(
+                at, lambda: load_checkpoint_into(state, at), state=state, stepper=stepper,
+                last=agreement.step, init=init))
+        elif agreement.is_settled:
+            restored = Restored("kept", 0)
         else:
-            payload = broadcast_state({
-                "model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
-                "meta": at.meta(state, stepper).encode(),
-            }, src, group)  # fmt: skip
-            state.model.load_state_dict(payload["model"])
-            state.optimizer.load_state_dict(payload["optimizer"])
-            at.take(TrainMeta.decode(payload["meta"]), state, stepper)
-            source = f"rank {src}"
+            restored = self._share(at, agreement, state, stepper)
         stepper.bind(at.ctx.groups.dp)
-        return source
+        return restored
+
+    def _share(self, at: Restoring, agreement: Agreement, state: TrainState,
+               stepper: ReplicatedStep) -> Restored:
+        """The holders' state to the receivers; the holders' own is only read."""
+        group, first = at.ctx.groups.world, agreement.holders[0]
+        is_first = dist.get_rank(group) == first
+        outline: Outline = broadcast_state(
+            Outline.of(state, at.meta(state, stepper)) if is_first else None, first, group)
+        is_receiver = dist.get_rank(group) in agreement.receivers
+        if is_receiver:
+            at.progress.step = -1  # holds nothing until every byte has arrived
+        tensors = tensors_for(state, outline)
+        moved = transfer(tensors, agreement, group, chunk_bytes=self.chunk_bytes)
+        if is_receiver:
+            load_rest(state, outline, tensors)
+            at.take(TrainMeta.decode(outline.meta), state, stepper)
+        holders = ",".join(str(r) for r in agreement.holders)
+        return Restored(f"rank{'s' if len(agreement.holders) > 1 else ''} {holders}", moved)
 
     def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
               step: int) -> tuple[float, float]:

@@ -26,7 +26,7 @@ from elastic_rt.worker.trainers.model_parallel.part_broadcast import (
     gather_holders,
     pick_part_sources,
 )
-from elastic_rt.worker.trainers.protocol import BuildFn, Restoring, SteppedModel
+from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring, SteppedModel
 
 
 class OwnedStepTrainer:
@@ -40,7 +40,10 @@ class OwnedStepTrainer:
     def result(self) -> Any:
         return self.state
 
-    def restore(self, at: Restoring) -> str:
+    def restore(self, at: Restoring) -> Restored:
+        return Restored(self._restore(at))
+
+    def _restore(self, at: Restoring) -> str:
         ctx, progress = at.ctx, at.progress
         old, built_for = self.state, self.built_for
         mine = Holder.of(step=progress.step, is_clean=not progress.is_dirty,

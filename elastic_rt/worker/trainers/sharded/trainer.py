@@ -36,7 +36,7 @@ from elastic_rt.worker.trainers.checkpoint_restore import (
     load_checkpoint_into,
 )
 from elastic_rt.worker.trainers.meta import TrainMeta
-from elastic_rt.worker.trainers.protocol import BuildFn, Restoring
+from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 from elastic_rt.worker.trainers.runtime_step import (
     ReplicatedStep,
@@ -82,12 +82,12 @@ class ShardedTrainer(TrainStateTrainer):
         self.copies: PeerCopies | None = None  # this round's exchange, under FSDP
         self.sampler: ElasticSampler | None = None
 
-    def restore(self, at: Restoring) -> str:
+    def restore(self, at: Restoring) -> Restored:
         self._stop_copies()
         kept = (self.state, self.stepper, self.held, self.snapshots, at.progress.step,
                 at.progress.is_dirty, at.sampler.state_dict())
         try:
-            return self._restore(at)
+            return Restored(self._restore(at))
         except BaseException:
             # A peer died during the restore: keep what this rank held, so that the next
             # round can still restore from it (a fresh build holds nothing).

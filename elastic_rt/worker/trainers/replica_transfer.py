@@ -1,0 +1,248 @@
+"""A replica's tensors to the ranks that lack them, and to no other rank.
+
+Rule: one all-gather of (step, fingerprint) per rank decides; holders never change, and only
+receivers get anything, point to point, in chunks of at most 64 MB striped over the holders::
+
+    agree(step, fingerprint)   -> holders: the newest step, with the lowest such rank's print
+                                  receivers: every other rank (a newcomer at -1, one behind)
+    no receivers               -> nothing moves: 0 bytes (a node kill in data parallelism)
+    else transfer(tensors)     -> chunk i from holder i mod H to every receiver, into the
+                                  receiver's own tensors
+
+After a node kill every survivor finished the same last step (a step completes only once
+its gradient all-reduce has seen every rank's share), so all are holders and the restore
+costs one collective of 16 bytes per rank. A receiver has built its model and optimizer
+before the transfer, so each tensor already exists with its final shape and a contiguous
+one is received in place: no staging copy, nothing pickled. A non-contiguous tensor goes
+through one staging copy of its own size (the only extra memory; none for a plain model
+and optimizer). The order of the tensors is the caller's and must be one every rank
+computes alike (``replica_state.py``).
+
+Every wait goes through the round's abort notice (``worker/abort.py``), so a holder lost
+mid-transfer ends the restore at once. A receiver whose transfer broke holds nothing (its
+caller marks it at step -1 first): in the next round it is a receiver again. Bytes of the
+broken round still in flight can land in its tensors late, but they are the same bytes of
+the same step: no rank trains while another still receives.
+
+Note: the fingerprint reads a strided sample (1024 elements a tensor, every element of a
+smaller one), so it tells states apart that differ anywhere a training step touches; it
+does not prove two states equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.futures import Future
+
+from elastic_rt.worker import abort
+
+CHUNK_BYTES = 64 << 20
+"""The most bytes one message carries: large enough for wire speed, small enough to
+overlap sending one with receiving the next."""
+WINDOW = 4
+"""Messages a rank keeps outstanding before it waits for the oldest."""
+_SAMPLE = 1024
+"""Elements of each tensor the fingerprint reads."""
+
+_Pending = tuple[Future[None], torch.Tensor, Callable[[], None] | None]
+"""A posted message, the piece it reads or writes, and what to do once it is done."""
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """Who holds the newest state and who must receive it (ranks of the group)."""
+
+    step: int
+    """The newest step any rank holds; -1 when none holds state."""
+    holders: tuple[int, ...]
+    receivers: tuple[int, ...]
+
+    @property
+    def is_settled(self) -> bool:
+        """Whether every rank already holds the state (nothing to move)."""
+        return not self.receivers
+
+
+def plan(standings: list[tuple[int, int]]) -> Agreement:
+    """Pure: holders and receivers from every rank's (step, fingerprint), by rank.
+
+    The lowest rank at the newest step sets the fingerprint; a rank at that step with
+    another one receives (its state is not the one the others continue from). When no rank
+    holds state (every step is -1) there are no holders and no receivers: the caller falls
+    back to the checkpoint.
+    """
+    best = max(step for step, _ in standings)
+    if best < 0:
+        return Agreement(step=-1, holders=(), receivers=())
+    reference = next(print_ for step, print_ in standings if step == best)
+    holders = tuple(r for r, s in enumerate(standings) if s == (best, reference))
+    receivers = tuple(r for r in range(len(standings)) if r not in holders)
+    return Agreement(step=best, holders=holders, receivers=receivers)
+
+
+def agree(step: int, print_: int, group: dist.ProcessGroup) -> Agreement:
+    """:func:`plan` over every rank of ``group``: one all-gather of two integers each.
+
+    Raises:
+        RoundAbandoned: a newer round dropped a member while this waited.
+        RuntimeError: a peer's connection failed.
+    """
+    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    mine = torch.tensor([step, print_], dtype=torch.int64)
+    _wait(dist.all_gather(gathered, mine, group=group, async_op=True))
+    return plan([(int(t[0]), int(t[1])) for t in gathered])
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> int:
+    """A 63-bit digest of the tensors' shapes, dtypes and a strided sample of their values.
+
+    Equal states always agree. Costs one small gather per tensor and one host copy in all.
+    """
+    digest = xxhash.xxh3_64()
+    samples = []
+    for tensor in tensors:
+        digest.update(f"{tuple(tensor.shape)}{tensor.dtype};".encode())
+        n = tensor.numel()
+        if n:
+            index = torch.arange(0, n, max(1, n // _SAMPLE), device=tensor.device)
+            samples.append(torch.take(tensor.detach(), index).view(torch.uint8).cpu())
+    if samples:
+        digest.update(torch.cat(samples).numpy().tobytes())
+    return digest.intdigest() >> 1  # fits an int64
+
+
+def chunks(sizes: list[int], chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int, int]]:
+    """Pure: (tensor index, first byte, end byte) of every message, for tensors of ``sizes``
+    bytes; every rank computes the same list from the same sizes."""
+    return [(index, start, min(start + chunk_bytes, size))
+            for index, size in enumerate(sizes) for start in range(0, size, chunk_bytes)]
+
+
+def transfer(tensors: list[torch.Tensor], agreement: Agreement, group: dist.ProcessGroup, *,
+             chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Send the holders' ``tensors`` into the receivers' ``tensors``; the bytes this rank
+    sent or received.
+
+    Every rank passes its own tensors in the same order, of the same shapes and dtypes
+    (a receiver's are overwritten, a holder's only read).
+
+    Raises:
+        RoundAbandoned: a newer round dropped a member while the transfer waited.
+        RuntimeError: a peer's connection failed.
+    """
+    me = dist.get_rank(group)
+    is_receiver = me in agreement.receivers
+    if agreement.is_settled or not (is_receiver or me in agreement.holders):
+        return 0
+    wires, waiter = _Wires(tensors, is_receiver), _Waiter()
+    # each entry keeps its piece alive: a staged piece's copy may already be out of _Wires
+    pending: deque[_Pending] = deque()
+    moved = 0
+    try:
+        for number, (index, start, end) in enumerate(chunks(wires.sizes, chunk_bytes)):
+            sender = agreement.holders[number % len(agreement.holders)]
+            if not (is_receiver or me == sender):
+                continue
+            piece = wires.bytes_of(index)[start:end]
+            if is_receiver:
+                works = [dist.irecv(piece, group_src=sender, group=group, tag=number)]
+            else:
+                works = [dist.isend(piece, group_dst=dst, group=group, tag=number)
+                         for dst in agreement.receivers]
+            last = wires.on_received(index) if is_receiver and end == wires.sizes[index] else None
+            pending.extend((waiter.post(work), piece, None) for work in works[:-1])
+            pending.append((waiter.post(works[-1]), piece, last))
+            moved += (end - start) * len(works)
+            while len(pending) > WINDOW:
+                _finish(pending.popleft())
+        while pending:
+            _finish(pending.popleft())
+    finally:
+        waiter.close()
+    return moved
+
+
+class _Wires:
+    """Each tensor as one flat run of bytes: its own memory when contiguous, else a staging
+    copy (filled from the tensor on a holder, copied into it on a receiver)."""
+
+    def __init__(self, tensors: list[torch.Tensor], is_receiver: bool) -> None:
+        self.tensors, self.is_receiver = tensors, is_receiver
+        self.sizes = [t.numel() * t.element_size() for t in tensors]
+        self.staged: dict[int, torch.Tensor] = {}
+
+    def bytes_of(self, index: int) -> torch.Tensor:
+        tensor = self.tensors[index].detach()
+        if tensor.is_contiguous():
+            return tensor.view(-1).view(torch.uint8)
+        if index not in self.staged:
+            if self.is_receiver:
+                self.staged[index] = torch.empty_like(tensor,
+                                                      memory_format=torch.contiguous_format)
+            else:  # a holder's copies of earlier tensors live on in their pending sends only
+                self.staged = {index: tensor.contiguous()}
+        return self.staged[index].view(-1).view(torch.uint8)
+
+    def on_received(self, index: int) -> Callable[[], None] | None:
+        """What to do once the tensor's last chunk arrived (the earlier ones did before)."""
+        if index not in self.staged:
+            return None
+
+        def copy_back() -> None:
+            with torch.no_grad():
+                self.tensors[index].copy_(self.staged.pop(index))
+        return copy_back
+
+
+class _Waiter:
+    """Waits on point-to-point works in a thread of its own, in the order they were posted.
+
+    gloo's send and receive works have no future (``get_future`` raises), ``is_completed``
+    stays False until someone waits, and a ``wait`` that times out fails every pair of the
+    group; so one daemon thread waits and completes a future the abort notice can race. A
+    thread left waiting by an abandoned round (a hung peer) is blocked outside Python and
+    ends with the process.
+    """
+
+    def __init__(self) -> None:
+        self.works: queue.SimpleQueue[tuple[dist.Work | None, Future[None]] | None] = \
+            queue.SimpleQueue()
+        threading.Thread(target=self._run, name="replica-transfer", daemon=True).start()
+
+    def post(self, work: dist.Work | None) -> Future[None]:
+        done: Future[None] = Future()
+        self.works.put((work, done))
+        return done
+
+    def close(self) -> None:
+        self.works.put(None)
+
+    def _run(self) -> None:
+        while (item := self.works.get()) is not None:
+            work, done = item
+            try:
+                assert work is not None  # isend and irecv always return a Work
+                work.wait()
+                done.set_result(None)
+            except Exception as exc:  # a thread boundary: the training thread raises it
+                done.set_exception(exc)  # type: ignore[arg-type]  # torch types it as T
+
+
+def _finish(entry: _Pending) -> None:
+    done, _, then = entry
+    abort.wait(done)
+    if then is not None:
+        then()
+
+
+def _wait(work: dist.Work | None) -> None:
+    assert work is not None  # async_op=True always returns a Work
+    abort.wait(work.get_future())
