@@ -79,6 +79,16 @@ def test_node_kill_and_join_end_with_the_parameters_of_an_uninterrupted_run(
                        and e.step is not None)
         assert steps == list(range(1, STEPS + 1)), f"{survivor} skipped a step or did one twice"
 
+    # nothing moved to the survivors after the kill; d received what they sent, once
+    restored = [e for e in log if e.name == "state.restored"]
+    kept = [e for e in restored if e.node in ("a", "b") and e.metadata["source"] == "kept"]
+    assert {e.node for e in kept} == {"a", "b"} and {e.metadata["bytes_moved"] for e in kept} \
+        == {0}, restored
+    joined = [e for e in restored if e.node == "d"][-1]
+    sent = [e.metadata["bytes_moved"] for e in restored
+            if e.node in ("a", "b") and e.round == joined.round]
+    assert joined.metadata["bytes_moved"] > 0 and sum(sent) == joined.metadata["bytes_moved"]
+
     # d's workers started before d joined, so the survivors trained on meanwhile.
     started = [e for e in log if e.name == "worker.started" and e.node == "d"]
     admitted = [i for i, e in enumerate(log) if e.name == "round.formed" and e.source == "agent"
