@@ -75,6 +75,8 @@ def _held(trainer: ReplicatedTrainer, progress: Progress,
     assert trainer.state is not None
     meta = trainer.checkpoint_meta(step=progress.step, sampler=sampler).encode()
     return {"tensors": {name: t.clone() for name, t in named_tensors(trainer.state)},
+            "strided": [name for name, t in named_tensors(trainer.state)
+                        if not t.is_contiguous()],
             "groups": json.dumps(trainer.state.optimizer.state_dict()["param_groups"]),
             "meta": json.dumps(meta, sort_keys=True), "step": progress.step}
 
@@ -127,6 +129,7 @@ def test_survivors_move_nothing_and_a_newcomer_gets_the_holders_state_bitwise() 
         assert torch.equal(newcomer["tensors"][name], tensor), name
         assert torch.equal(results[1]["tensors"][name], tensor), name
     assert any(name.endswith(".step") for name in holder["tensors"])
+    assert {"model.mix", "optimizer.0.exp_avg"} <= set(newcomer["strided"])  # staged
     assert newcomer["groups"] == holder["groups"] and newcomer["meta"] == holder["meta"]
     total = sum(t.numel() * t.element_size() for t in holder["tensors"].values())
     sent = [results[0]["joined"][1], results[1]["joined"][1]]

@@ -19,8 +19,10 @@ and optimizer). The order of the tensors is the caller's and must be one every r
 computes alike (``replica_state.py``).
 
 Every wait goes through the round's abort notice (``worker/abort.py``), so a holder lost
-mid-transfer ends the restore at once. A receiver whose transfer broke holds nothing (its
-caller marks it at step -1 first): in the next round it is a receiver again. Bytes of the
+mid-transfer ends the restore at once (point-to-point works have no future in gloo: one
+thread per transfer waits on them in order and completes one, :class:`_Waiter`). A
+receiver whose transfer broke holds nothing (its caller marks it at step -1 first): in the
+next round it is a receiver again. Bytes of the
 broken round still in flight can land in its tensors late, but they are the same bytes of
 the same step: no rank trains while another still receives.
 
