@@ -201,6 +201,8 @@ class _ElasticLoop:
         self.joined: JoinedRound | None = None
         """The round we train in; None before the first and between two rounds."""
         self.progress = Progress()
+        self.sitting_out: tuple[int, ...] = ()
+        """Data-parallel ranks training no samples this step: their state is still landing."""
         self.clock = StepClock()
         self.heap = None if options.is_sharded else HeapTrimmer()
         self.watchdog = HangWatchdog(self.clock, self.env.hang_factor, self._report_stall)
@@ -262,9 +264,11 @@ class _ElasticLoop:
 
     def _train(self, joined: JoinedRound) -> None:
         while self.progress.step < self.options.max_steps:
-            if self.membership.has_newer_round(joined.number):
+            # A newer round waits for the step a stream lands in: that step finishes it.
+            if not self.sitting_out and self.membership.has_newer_round(joined.number):
                 raise NewerRound()
-            self.progress.is_dirty = not self.trainer.is_step_atomic()
+            # a restore may leave it dirty: a receiver whose streamed state lands in this step
+            self.progress.is_dirty = self.progress.is_dirty or not self.trainer.is_step_atomic()
             joined.at_step(self.progress.step + 1)
             local_loss, contribution = self.train_step(joined)
             global_loss = self._global_loss(joined, contribution) if self.on_step else None
@@ -273,6 +277,9 @@ class _ElasticLoop:
             self.progress.is_dirty = False
             self.progress.failed_attempts = 0
             self.clock.completed(time.monotonic())
+            if self.sitting_out:  # their state has landed: the whole world trains from now
+                self.sitting_out = ()
+                self.resplit(joined)
             self._after_step(joined, local_loss, global_loss)
 
     # recovery phases --------------------------------------------------------------
@@ -305,14 +312,23 @@ class _ElasticLoop:
         restored = self.trainer.restore(Restoring(ctx=joined.ctx, checkpoint=self.checkpoint,
                                                   sampler=self.sampler, progress=self.progress,
                                                   run_reached=self._published_step))
+        self.sitting_out = restored.sitting_out
+        streaming: dict[str, Any] = {"sitting_out": list(restored.sitting_out)}
         self._phase("state.restored", began, source=restored.source,
-                    bytes_moved=restored.bytes_moved)
+                    bytes_moved=restored.bytes_moved, **(streaming if self.sitting_out else {}))
 
     def _published_step(self) -> int:
         return published_step(self.membership.registry)
 
     def resplit(self, joined: JoinedRound) -> None:
-        self.sampler.set_world(joined.ctx.dp_rank, joined.ctx.dp_size)
+        """The global batch over the ranks that train it: all, except the ranks sitting out
+        the step their state lands in (who keep their own split, and draw no samples)."""
+        ctx = joined.ctx
+        training = [r for r in range(ctx.dp_size) if r not in self.sitting_out]
+        if ctx.dp_rank in training:
+            self.sampler.set_world(training.index(ctx.dp_rank), len(training))
+        else:
+            self.sampler.set_world(ctx.dp_rank, ctx.dp_size)
         self.batches.reset()  # batches prefetched for the old split are dropped
 
     def on_failure(self, round_: Round, exc: BaseException) -> None:
@@ -341,7 +357,8 @@ class _ElasticLoop:
         # Seeded per step, not per process: a retried or re-split step draws the same numbers.
         torch.manual_seed(self.options.seed * 1_000_003 + step)
         with user_code(rank=joined.ctx.rank, step=step):
-            micro_batches = self.batches.next_step()
+            sits_out = joined.ctx.dp_rank in self.sitting_out
+            micro_batches = [] if sits_out else self.batches.next_step()
         return self.trainer.train(micro_batches, global_len=len(self.sampler.global_batch()),
                                   ctx=joined.ctx, step=step)
 

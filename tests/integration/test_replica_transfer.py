@@ -1,47 +1,62 @@
-"""A replicated restore over real gloo processes: nothing moves where nothing must.
+"""A replicated restore over real gloo processes: nothing moves where nothing must, and a
+join streams while the holders train.
 
 Three ranks train the same AdamW model (a scheduler, extras, one transposed and so
 non-contiguous parameter) for three steps from a fresh start. Restored again, all three
 hold the same state: nothing moves and nothing is touched. Then rank 2 is replaced by a
 newcomer (built, never stepped, empty AdamW state) while ranks 0 and 1 train two steps
-more: the newcomer ends bitwise equal to them, model, optimizer (step counts, the
-scheduler's learning rate) and TrainMeta, and the holders share the sending, in chunks
-small enough that many go each way.
+more. The newcomer's restore returns at once; the holders then train the next step on
+the whole global batch while the state streams, in chunks small enough that many go each
+way (shared by the holders); the newcomer trains no sample and takes the averaged
+gradients. After that step all three are bitwise equal: model, optimizer (step counts,
+the scheduler's learning rate) and TrainMeta. In the second test a holder dies
+mid-stream: the survivors re-form, the holder that is left still holds the step before
+(its update waited for the stream) and streams again, and the two end equal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
 import torch
 
 from elastic_rt.layout import Layout
-from elastic_rt.process_groups import destroy_groups
+from elastic_rt.process_groups import abandon_groups, destroy_groups, init_groups
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers import Progress, Restoring, StepOptions
 from elastic_rt.worker.trainers.replica_state import named_tensors
 from elastic_rt.worker.trainers.replicated import ReplicatedTrainer
-from tests.fixtures.meta_paths import _context
+from tests.fixtures.meta_paths import TIMEOUT, _context
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 pytestmark = pytest.mark.slow
 
 CHUNK_BYTES = 96
 """So that each tensor of the model goes in several chunks."""
+_BUFFERS = {f"model.norm.{name}" for name in ("running_mean", "running_var",
+                                              "num_batches_tracked")}
+"""Written by each holder's forward on its own share: they leave as they were before it."""
 
 
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.first = torch.nn.Linear(6, 16)
-        self.second = torch.nn.Linear(16, 3)
+        self.first = torch.nn.Linear(6, 64)
+        self.wide = torch.nn.Linear(64, 64)  # ~50 KB of state with AdamW: ~500 chunks
+        self.second = torch.nn.Linear(64, 3)
         self.mix = torch.nn.Parameter(torch.randn(3, 6).t())  # non-contiguous, so is exp_avg
+        self.norm = torch.nn.BatchNorm1d(64)  # buffers the holders' forward writes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(torch.relu(self.first(x))) + (x @ self.mix)
+        hidden = self.norm(torch.relu(self.wide(torch.relu(self.first(x)))))
+        return self.second(hidden) + (x @ self.mix)
 
 
 def _build(layout: Layout) -> TrainState:
@@ -52,8 +67,29 @@ def _build(layout: Layout) -> TrainState:
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, extras={"n": 0})
 
 
-def _no_step(state: TrainState, batch: Any) -> torch.Tensor:
-    raise AssertionError("the runtime's step is not used here")
+_ENTERED: list[float] = []
+"""When this process's step function was first called (time.monotonic, shared by processes)."""
+
+
+def _step(state: TrainState, batch: Any) -> torch.Tensor:
+    _ENTERED.append(time.monotonic())
+    return state.model(batch).pow(2).mean()
+
+
+def _streamed_step(trainer: ReplicatedTrainer, ctx: Any, progress: Progress,
+                   sampler: ElasticSampler, holders: list[int], *, step: int) -> float | None:
+    """The step the newcomer's state lands in, as the loop trains it: the holders split the
+    global batch, the others train no sample; when this rank's last byte arrived."""
+    torch.manual_seed(100 + step)
+    batch = torch.randn(4, 6)
+    rank = ctx.groups.world.rank()
+    share = [(batch[i::len(holders)], 4 // len(holders))
+             for i, r in enumerate(holders) if r == rank]
+    stream = trainer.stream
+    trainer.train(share, global_len=4, ctx=ctx, step=step)
+    sampler.advance()
+    progress.step += 1
+    return None if stream is None else stream.began + (stream.seconds or 0.0)
 
 
 def _train(state: TrainState, sampler: ElasticSampler, progress: Progress, steps: int) -> None:
@@ -93,7 +129,7 @@ def _kill_then_join(env: WorkerEnv) -> dict[str, Any]:
     ctx = _context(env, Layout(dp=env.nprocs), "/replica/")
     try:
         def fresh() -> tuple[ReplicatedTrainer, Progress, ElasticSampler]:
-            trainer = ReplicatedTrainer(_build, _no_step, StepOptions(), chunk_bytes=CHUNK_BYTES)
+            trainer = ReplicatedTrainer(_build, _step, StepOptions(), chunk_bytes=CHUNK_BYTES)
             return trainer, Progress(), ElasticSampler(64, global_batch_size=4, seed=0)
 
         trainer, progress, sampler = fresh()
@@ -111,21 +147,34 @@ def _kill_then_join(env: WorkerEnv) -> dict[str, Any]:
             trainer, progress, sampler = fresh()  # a newcomer in its place
         else:
             _train(trainer.state, sampler, progress, 2)  # type: ignore[arg-type]
+        buffers = {n: t.clone() for n, t in named_tensors(trainer.state)
+                   if n in _BUFFERS} if trainer.state is not None else {}
         joined = _restore(trainer, ctx, progress, sampler)
+        returned_at = time.monotonic()
+        dirty_while_streaming = progress.is_dirty
+        landed = _streamed_step(trainer, ctx, progress, sampler, [0, 1], step=6)
         return {"kept": list(kept), "untouched": untouched, "joined": list(joined),
+                "returned_at": returned_at, "landed": landed, "entered": _ENTERED[-1:],
+                "dirty": [dirty_while_streaming, progress.is_dirty], "buffers_before": buffers,
                 **_held(trainer, progress, sampler)}
     finally:
         destroy_groups(ctx.groups)
 
 
-def test_survivors_move_nothing_and_a_newcomer_gets_the_holders_state_bitwise() -> None:
+def test_survivors_move_nothing_and_a_newcomer_gets_the_holders_state_while_they_train() -> None:
     results = run_workers(_kill_then_join, 3, timeout_s=90)
     for got in results:
         assert got["kept"] == ["kept", 0] and got["untouched"]
     holder, newcomer = results[0], results[2]
-    assert newcomer["step"] == holder["step"] == 5
+    assert newcomer["step"] == holder["step"] == 6
+    # the holders' forward ran while the newcomer's bytes were still arriving
+    assert newcomer["landed"] > holder["entered"][0] > holder["returned_at"]
+    assert newcomer["entered"] == [] and newcomer["dirty"] == [True, False]
     assert newcomer["tensors"].keys() == holder["tensors"].keys()
     for name, tensor in holder["tensors"].items():
+        if name in _BUFFERS:
+            assert torch.equal(newcomer["tensors"][name], holder["buffers_before"][name]), name
+            continue
         assert torch.equal(newcomer["tensors"][name], tensor), name
         assert torch.equal(results[1]["tensors"][name], tensor), name
     assert any(name.endswith(".step") for name in holder["tensors"])
@@ -136,3 +185,57 @@ def test_survivors_move_nothing_and_a_newcomer_gets_the_holders_state_bitwise() 
     assert newcomer["joined"] == ["ranks 0,1", total]
     assert sum(sent) == total and all(abs(s - total / 2) <= 2 * CHUNK_BYTES for s in sent)
     assert total > 20 * CHUNK_BYTES  # many chunks each way
+
+
+def _killed_mid_stream(env: WorkerEnv) -> dict[str, Any]:
+    """Rank 2 joins as above; holder 1 dies in the step that streams to it."""
+    ctx = _context(env, Layout(dp=env.nprocs), "/stream/")
+    trainer = ReplicatedTrainer(_build, _step, StepOptions(), chunk_bytes=CHUNK_BYTES)
+    progress, sampler = Progress(), ElasticSampler(64, global_batch_size=4, seed=0)
+    _restore(trainer, ctx, progress, sampler)
+    if env.rank < 2:
+        assert trainer.state is not None
+        _train(trainer.state, sampler, progress, 3)
+    else:
+        trainer, progress = ReplicatedTrainer(_build, _step, StepOptions(),
+                                              chunk_bytes=CHUNK_BYTES), Progress()
+    _restore(trainer, ctx, progress, sampler)
+    assert trainer.stream is not None
+    if env.rank == 1:  # dies as its forward begins, its share of the stream half sent
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        _streamed_step(trainer, ctx, progress, sampler, [0, 1], step=4)
+        raise AssertionError("the step whose stream broke completed")
+    except RuntimeError as exc:
+        failed = type(exc).__name__
+    finally:
+        trainer.release()
+        abandon_groups(ctx.groups)
+    after_failure = {"step": progress.step, "dirty": progress.is_dirty}
+    rank = {0: 0, 2: 1}[env.rank]  # the survivors re-form, the newcomer second
+    groups = init_groups(env.store, rank=rank, world_size=2, layout=Layout(dp=2),
+                         prefix="/stream-again/", timeout=TIMEOUT)
+    ctx = dataclasses.replace(ctx, rank=rank, world_size=2, layout=Layout(dp=2), groups=groups)
+    try:
+        again = _restore(trainer, ctx, progress, sampler)
+        _streamed_step(trainer, ctx, progress, sampler, [0], step=4)
+        return {"failed": failed, "after_failure": after_failure, "again": list(again),
+                **_held(trainer, progress, sampler)}
+    finally:
+        destroy_groups(groups)
+
+
+def test_a_holder_lost_mid_stream_leaves_the_newcomer_a_receiver_and_the_holder_its_step() -> None:
+    results = run_workers(_killed_mid_stream, 3, timeout_s=90, may_die=frozenset({1}))
+    holder, lost, newcomer = results
+    assert lost is None
+    assert holder["failed"] == newcomer["failed"] == "RuntimeError"
+    # the holder's update waited for the stream: it still holds step 3; the newcomer nothing
+    assert holder["after_failure"] == {"step": 3, "dirty": False}
+    assert newcomer["after_failure"] == {"step": 3, "dirty": True}
+    assert holder["again"][0] == "rank 0" and newcomer["again"][0] == "rank 0"
+    assert holder["step"] == newcomer["step"] == 4
+    for name, tensor in holder["tensors"].items():
+        if name not in _BUFFERS:
+            assert torch.equal(newcomer["tensors"][name], tensor), name
+    assert newcomer["meta"] == holder["meta"]

@@ -10,7 +10,13 @@ from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.replica_state import Outline, load_rest, named_tensors, tensors_for
-from elastic_rt.worker.trainers.replica_transfer import Agreement, chunks, fingerprint, plan
+from elastic_rt.worker.trainers.replica_transfer import (
+    Agreement,
+    chunks,
+    fingerprint,
+    plan,
+    planned_bytes,
+)
 
 
 @pytest.mark.parametrize(("standings", "expected"), [
@@ -36,6 +42,19 @@ def test_chunks_cover_every_byte_of_uneven_tensors_exactly_once(chunk_bytes: int
         for byte in range(start, end):
             seen[index][byte] += 1
     assert all(count == 1 for row in seen for count in row)
+
+
+def test_planned_bytes_are_what_each_rank_sends_and_receives() -> None:
+    sizes, chunk = [0, 5, 64, 129, 1, 300], 64
+    agreement = Agreement(step=3, holders=(0, 2), receivers=(1, 3))
+    sent = {0: 0, 2: 0}
+    for number, (_, start, end) in enumerate(chunks(sizes, chunk)):
+        sent[agreement.holders[number % 2]] += (end - start) * 2  # once per receiver
+    got = {r: planned_bytes(sizes, agreement, r, chunk_bytes=chunk) for r in range(5)}
+    assert got == {0: sent[0], 1: sum(sizes), 2: sent[2], 3: sum(sizes), 4: 0}
+    assert sent[0] + sent[2] == 2 * sum(sizes)
+    settled = Agreement(step=3, holders=(0, 1), receivers=())
+    assert planned_bytes(sizes, settled, 0, chunk_bytes=chunk) == 0
 
 
 def test_fingerprint_is_equal_for_equal_states_and_tells_a_changed_element() -> None:

@@ -95,6 +95,10 @@ class Restored:
     bytes_moved: int | None = None
     """Bytes of state this rank sent or received from other ranks; None where the family
     does not count them (a checkpoint read, the sharded and model-parallel families)."""
+    sitting_out: tuple[int, ...] = ()
+    """Data-parallel ranks whose state is still arriving: they train no samples in the next
+    step (the others split its global batch) and take its averaged gradients, so all hold
+    the same state after it (a join streamed while the holders train)."""
 
 
 class Trainer(Protocol):

@@ -7,7 +7,7 @@ receivers get anything, point to point, in chunks of at most 64 MB striped over 
                                   receivers: every other rank (a newcomer at -1, one behind)
     no receivers               -> nothing moves: 0 bytes (a node kill in data parallelism)
     else transfer(tensors)     -> chunk i from holder i mod H to every receiver, into the
-                                  receiver's own tensors
+                                  receiver's own tensors; Stream runs it beside training
 
 After a node kill every survivor finished the same last step (a step completes only once
 its gradient all-reduce has seen every rank's share), so all are holders and the restore
@@ -19,12 +19,15 @@ and optimizer). The order of the tensors is the caller's and must be one every r
 computes alike (``replica_state.py``).
 
 Every wait goes through the round's abort notice (``worker/abort.py``), so a holder lost
-mid-transfer ends the restore at once (point-to-point works have no future in gloo: one
-thread per transfer waits on them in order and completes one, :class:`_Waiter`). A
-receiver whose transfer broke holds nothing (its caller marks it at step -1 first): in the
-next round it is a receiver again. Bytes of the
-broken round still in flight can land in its tensors late, but they are the same bytes of
-the same step: no rank trains while another still receives.
+mid-transfer ends it at once (point-to-point works have no future in gloo: one thread per
+transfer waits on them in order and completes one, :class:`_Waiter`). A receiver whose
+transfer broke holds nothing (its caller marks it dirty): in the next round it is a
+receiver again. Bytes of the broken round still in flight can land in its tensors late;
+they are the same bytes of the same step (the holders' update waits for the stream, so a
+broken stream's holders are still at that step), and they arrive within moments of the
+break, long before the next round has re-formed and sent again. A holder that was
+SIGSTOPped with sends queued and woke after the next round's update would be the
+exception; its agent stops a fenced node's workers when it wakes.
 
 Note: the fingerprint reads a strided sample (1024 elements a tensor, every element of a
 smaller one), so it tells states apart that differ anywhere a training step touches; it
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -128,6 +132,68 @@ def chunks(sizes: list[int], chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, 
     bytes; every rank computes the same list from the same sizes."""
     return [(index, start, min(start + chunk_bytes, size))
             for index, size in enumerate(sizes) for start in range(0, size, chunk_bytes)]
+
+
+def planned_bytes(sizes: list[int], agreement: Agreement, rank: int, *,
+                  chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Pure: the bytes ``rank`` sends or receives when tensors of ``sizes`` bytes go from
+    the holders to the receivers (each receiver gets every byte once; chunk ``i`` leaves
+    holder ``i mod H`` once per receiver)."""
+    if agreement.is_settled:
+        return 0
+    pieces = chunks(sizes, chunk_bytes)
+    if rank in agreement.receivers:
+        return sum(end - start for _, start, end in pieces)
+    if rank not in agreement.holders:
+        return 0
+    mine = [end - start for number, (_, start, end) in enumerate(pieces)
+            if agreement.holders[number % len(agreement.holders)] == rank]
+    return sum(mine) * len(agreement.receivers)
+
+
+class Stream:
+    """A transfer running beside the training thread: started at once, finished later.
+
+    A join streams the holders' state to a newcomer while the holders train the next step:
+    the holders' forward and backward only read the tensors being sent, and the step calls
+    :meth:`finish` before its update writes them (``replicated.py``). The posting runs in a
+    thread of its own; its waits go through the abort notice like every other wait.
+
+    Args:
+        tensors, agreement, group, chunk_bytes: as for :func:`transfer`.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], agreement: Agreement,
+                 group: dist.ProcessGroup, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.bytes = planned_bytes([t.numel() * t.element_size() for t in tensors], agreement,
+                                   dist.get_rank(group), chunk_bytes=chunk_bytes)
+        self.began = time.monotonic()
+        self.seconds: float | None = None
+        """How long the transfer took, once :meth:`finish` returned."""
+        self._done: Future[int] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(tensors, agreement, group, chunk_bytes),
+            name="replica-stream", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> int:
+        """Wait for the last byte; the bytes this rank sent or received.
+
+        Raises:
+            RoundAbandoned: a newer round dropped a member while the transfer waited.
+            RuntimeError: a peer's connection failed.
+        """
+        moved = abort.wait(self._done)
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.began
+        return moved
+
+    def _run(self, tensors: list[torch.Tensor], agreement: Agreement,
+             group: dist.ProcessGroup, chunk_bytes: int) -> None:
+        try:
+            self._done.set_result(transfer(tensors, agreement, group, chunk_bytes=chunk_bytes))
+        except Exception as exc:  # a thread boundary: finish() raises it
+            self._done.set_exception(exc)  # type: ignore[arg-type]  # torch types it as T
 
 
 def transfer(tensors: list[torch.Tensor], agreement: Agreement, group: dist.ProcessGroup, *,

@@ -1,26 +1,43 @@
 """The replicated family: one ``TrainState`` on every data-parallel rank, stepped by the runtime.
 
-Rule: nothing moves where nothing must (``replica_transfer``, ``replica_state``)::
+Rule: nothing moves where nothing must, and a join does not stop the job
+(``replica_transfer``, ``replica_state``)::
 
     agree(step, fingerprint)  -> one all-gather of 16 bytes a rank
     every rank holds it       -> nothing moves: "kept", 0 bytes (a node kill)
-    some ranks lack it        -> holder 0 broadcasts the small Outline; the tensors go point to
-                                 point from the holders, striped, into the receivers' own tensors
+    some ranks lack it        -> holder 0 broadcasts the small Outline; the receivers take the
+                                 position from it and sit out the next step; the tensors stream
+                                 point to point from the holders, striped, into the receivers'
+                                 own tensors, while the holders train that step on the whole
+                                 global batch; everyone waits for the stream before the update,
+                                 and the receivers apply the same averaged gradients
     nobody holds state        -> the newest committed checkpoint, else rank 0's build (a start)
 
 Built once per worker: survivors keep theirs, and their state is already that of the last
-committed step (the runtime's step changes it only after its last collective). Measured at
-400 MB of AdamW state on 3 gloo ranks (2 shared cores): after a kill the restore took 4.0 s
-when the whole state was broadcast, and takes 0.1 s with 0 bytes moved (the decision itself,
-fingerprint and all-gather, ~2 ms; the rest is rebuilding the gradient buckets); a join
-takes 1.05 s (was 1.2 s), the newcomer receiving 403 MB, 201 MB from each holder.
+committed step (the runtime's step changes it only after its last collective). A holder's
+forward and backward only read what it sends (its buffers, which a forward may write, are
+copied first), so the members' pause at a join is the re-form and whatever part of the
+transfer outlasts their forward and backward. Memory: nothing beyond the state on either
+side, except copies of the model's buffers on a holder and a staging copy per
+non-contiguous tensor (``replica_transfer``); the receiver's state tensors are the ones it
+built. The receivers' buffers (e.g. BatchNorm's running statistics) are those of the step
+before: they miss the update of the one step they sit out.
+
+Measured at 400 MB of AdamW state on 3 gloo ranks (2 shared cores): after a kill the restore
+took 4.0 s when the whole state was broadcast, and takes 0.1 s with 0 bytes moved (the
+decision itself, fingerprint and all-gather, ~2 ms; the rest is rebuilding the gradient
+buckets); a join took 1.2 s when broadcast and 1.05 s point to point with the members
+waiting (403 MB, 201 MB from each holder).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
 
 from elastic_rt.worker.context import Context
 from elastic_rt.worker.train_state import TrainState
@@ -29,18 +46,20 @@ from elastic_rt.worker.trainers.checkpoint_restore import (
     load_checkpoint_into,
 )
 from elastic_rt.worker.trainers.meta import TrainMeta
-from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring
+from elastic_rt.worker.trainers.protocol import BuildFn, Progress, Restored, Restoring
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 from elastic_rt.worker.trainers.replica_state import Outline, load_rest, named_tensors, tensors_for
 from elastic_rt.worker.trainers.replica_transfer import (
     CHUNK_BYTES,
     Agreement,
+    Stream,
     agree,
     fingerprint,
-    transfer,
 )
 from elastic_rt.worker.trainers.runtime_step import ReplicatedStep, StepFn, StepOptions
 from elastic_rt.worker.trainers.train_state_trainer import TrainStateTrainer
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicatedTrainer(TrainStateTrainer):
@@ -56,6 +75,10 @@ class ReplicatedTrainer(TrainStateTrainer):
         self.chunk_bytes = chunk_bytes
         self.state: TrainState | None = None
         self.stepper: ReplicatedStep | None = None
+        self.stream: Stream | None = None
+        """The state on its way from the holders to the receivers, until the next update."""
+        self._receiving: Progress | None = None
+        """A receiver's position while its stream is in flight (dirty until it lands)."""
 
     def restore(self, at: Restoring) -> Restored:
         if self.state is None or self.stepper is None:
@@ -63,7 +86,7 @@ class ReplicatedTrainer(TrainStateTrainer):
             self.stepper = ReplicatedStep(self.state, self.step_fn, self.options)
         state, stepper = self.state, self.stepper
         group = at.ctx.groups.world
-        step = at.progress.step
+        step = -1 if at.progress.is_dirty else at.progress.step
         held = fingerprint([t for _, t in named_tensors(state)]) if step >= 0 else 0
         agreement = agree(step, held, group)
         if agreement.step < 0:
@@ -81,24 +104,64 @@ class ReplicatedTrainer(TrainStateTrainer):
 
     def _share(self, at: Restoring, agreement: Agreement, state: TrainState,
                stepper: ReplicatedStep) -> Restored:
-        """The holders' state to the receivers; the holders' own is only read."""
+        """Start the holders' state towards the receivers; it lands during the next step.
+
+        The receivers take the holders' position and everything but the tensors' bytes at
+        once (the small Outline), and are marked dirty until the stream has finished: a
+        failure before then leaves them receivers in the next round.
+        """
         group, first = at.ctx.groups.world, agreement.holders[0]
-        is_first = dist.get_rank(group) == first
+        me = dist.get_rank(group)
         outline: Outline = broadcast_state(
-            Outline.of(state, at.meta(state, stepper)) if is_first else None, first, group)
-        is_receiver = dist.get_rank(group) in agreement.receivers
-        if is_receiver:
-            at.progress.step = -1  # holds nothing until every byte has arrived
-        tensors = tensors_for(state, outline)
-        moved = transfer(tensors, agreement, group, chunk_bytes=self.chunk_bytes)
+            Outline.of(state, at.meta(state, stepper)) if me == first else None, first, group)
+        is_receiver = me in agreement.receivers
+        tensors = tensors_for(state, outline) if is_receiver else self._to_send(state)
         if is_receiver:
             load_rest(state, outline, tensors)
             at.take(TrainMeta.decode(outline.meta), state, stepper)
+            at.progress.is_dirty = True  # its tensors are still arriving
+        self.stream = Stream(tensors, agreement, group, chunk_bytes=self.chunk_bytes)
+        self._receiving = at.progress if is_receiver else None
         holders = ",".join(str(r) for r in agreement.holders)
-        return Restored(f"rank{'s' if len(agreement.holders) > 1 else ''} {holders}", moved)
+        return Restored(f"rank{'s' if len(agreement.holders) > 1 else ''} {holders}",
+                        self.stream.bytes, sitting_out=agreement.receivers)
+
+    @staticmethod
+    def _to_send(state: TrainState) -> list[torch.Tensor]:
+        """A holder's tensors as they go out: the state's own, except the model's buffers,
+        copied now, because the next step's forward may write them (BatchNorm's running
+        statistics) while they are still being sent; parameters and optimizer state change
+        only in the update, after :meth:`_finish_stream`."""
+        named = named_tensors(state)
+        params = {f"model.{name}" for name, _ in state.model.named_parameters()}
+        return [t.detach().clone() if name.startswith("model.") and name not in params else t
+                for name, t in named]
+
+    def _finish_stream(self) -> None:
+        """Before the update: every byte of a stream in flight has left or arrived."""
+        stream, self.stream = self.stream, None
+        if stream is None:
+            return
+        stream.finish()
+        if self._receiving is not None:
+            self._receiving.is_dirty = False  # holds the holders' step now
+            logger.info("received %d bytes of state in %.2f s (%.0f MB/s) while the holders "
+                        "trained", stream.bytes, stream.seconds or 0.0,
+                        stream.bytes / max(stream.seconds or 0.0, 1e-9) / 1e6)
+        self._receiving = None
+
+    def release(self) -> None:
+        """A stream still in flight is a failed step's (the loop trains the step a stream
+        lands in before it looks at newer rounds): it is dropped, not waited for, since its
+        peer may be gone; a receiver stays dirty, and receives again in the next round."""
+        if self.stream is not None:
+            logger.warning("the state stream to the receivers broke off; they receive again")
+        self.stream, self._receiving = None, None
+        super().release()
 
     def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
               step: int) -> tuple[float, float]:
         assert self.stepper is not None
-        loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step)
+        loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step,
+                                before_update=self._finish_stream)
         return loss.local_mean, loss.contribution

@@ -107,8 +107,9 @@ class ReplicatedStep:
             self.buckets = None
 
     def run(self, micro_batches: list[tuple[Any, int]], *, global_len: int,
-            rank: int, step: int) -> StepLoss:
-        """One optimizer step over this rank's micro-batches.
+            rank: int, step: int, before_update: Callable[[], None] = lambda: None) -> StepLoss:
+        """One optimizer step over this rank's micro-batches; ``before_update`` runs after
+        the last collective and before the parameters change (a stream finishing).
 
         Raises:
             UserCodeError: the user's step or its backward raised (not a peer's failure).
@@ -129,6 +130,7 @@ class ReplicatedStep:
             local_sum += value * size
             contribution += value * weight
         self.buckets.finish()
+        before_update()
         self._apply_update()
         samples = sum(size for _, size in micro_batches)
         return StepLoss(local_mean=local_sum / samples if samples else float("nan"),
