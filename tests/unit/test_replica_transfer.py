@@ -9,7 +9,7 @@ from elastic_rt.errors import ReplicaMismatchError
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.meta import TrainMeta
-from elastic_rt.worker.trainers.replica_state import Outline, load_rest, named_tensors, tensors_for
+from elastic_rt.worker.trainers.replica_state import Outline, named_tensors, receive_into
 from elastic_rt.worker.trainers.replica_transfer import (
     Agreement,
     chunks,
@@ -93,16 +93,19 @@ def test_a_fresh_state_filled_in_outline_order_equals_the_trained_one() -> None:
     meta = TrainMeta.capture(step=3, sampler=ElasticSampler(16, global_batch_size=4, seed=0),
                              state=trained)
     outline = Outline.of(trained, meta)
-    received = tensors_for(fresh, outline)  # creates fresh's AdamW state first
+    received = receive_into(fresh, outline)  # allocates fresh's AdamW state first
     for target, (_, source) in zip(received, named_tensors(trained), strict=True):
         target.copy_(source)  # what transfer() does, byte for byte
-    load_rest(fresh, outline, received)
     assert [n for n, _ in named_tensors(fresh)] == [n for n, _ in named_tensors(trained)]
     for (name, got), (_, want) in zip(named_tensors(fresh), named_tensors(trained)):
         assert torch.equal(got, want), name
     assert fresh.optimizer.state_dict()["param_groups"] == \
         trained.optimizer.state_dict()["param_groups"]
-    assert outline.has_optimizer_state and TrainMeta.decode(outline.meta) == meta
+    assert TrainMeta.decode(outline.meta) == meta
+    first = next(fresh.model.parameters())
+    assert fresh.optimizer.state[first]["step"].device.type == "cpu"
+    behind = receive_into(fresh, outline)  # a rank that fell behind keeps its tensors
+    assert [t.data_ptr() for t in behind] == [t.data_ptr() for t in received]
 
 
 def test_a_receiver_built_otherwise_is_told_which_tensor_differs() -> None:
@@ -111,4 +114,4 @@ def test_a_receiver_built_otherwise_is_told_which_tensor_differs() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(3))
     other = TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
     with pytest.raises(ReplicaMismatchError, match=r"model\.0\.weight is \(3, 4\)"):
-        tensors_for(other, outline)
+        receive_into(other, outline)

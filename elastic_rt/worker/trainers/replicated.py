@@ -48,7 +48,7 @@ from elastic_rt.worker.trainers.checkpoint_restore import (
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.protocol import BuildFn, Progress, Restored, Restoring
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
-from elastic_rt.worker.trainers.replica_state import Outline, load_rest, named_tensors, tensors_for
+from elastic_rt.worker.trainers.replica_state import Outline, named_tensors, receive_into
 from elastic_rt.worker.trainers.replica_transfer import (
     CHUNK_BYTES,
     Agreement,
@@ -115,9 +115,8 @@ class ReplicatedTrainer(TrainStateTrainer):
         outline: Outline = broadcast_state(
             Outline.of(state, at.meta(state, stepper)) if me == first else None, first, group)
         is_receiver = me in agreement.receivers
-        tensors = tensors_for(state, outline) if is_receiver else self._to_send(state)
+        tensors = receive_into(state, outline) if is_receiver else self._to_send(state)
         if is_receiver:
-            load_rest(state, outline, tensors)
             at.take(TrainMeta.decode(outline.meta), state, stepper)
             at.progress.is_dirty = True  # its tensors are still arriving
         self.stream = Stream(tensors, agreement, group, chunk_bytes=self.chunk_bytes)
