@@ -16,6 +16,7 @@ from elastic_rt.worker.trainers.replica_transfer import (
     fingerprint,
     plan,
     planned_bytes,
+    senders,
 )
 
 
@@ -48,13 +49,23 @@ def test_planned_bytes_are_what_each_rank_sends_and_receives() -> None:
     sizes, chunk = [0, 5, 64, 129, 1, 300], 64
     agreement = Agreement(step=3, holders=(0, 2), receivers=(1, 3))
     sent = {0: 0, 2: 0}
-    for number, (_, start, end) in enumerate(chunks(sizes, chunk)):
-        sent[agreement.holders[number % 2]] += (end - start) * 2  # once per receiver
+    pieces = chunks(sizes, chunk)
+    for (_, start, end), sender in zip(pieces, senders(pieces, agreement.holders)):
+        sent[sender] += (end - start) * 2  # once per receiver
     got = {r: planned_bytes(sizes, agreement, r, chunk_bytes=chunk) for r in range(5)}
     assert got == {0: sent[0], 1: sum(sizes), 2: sent[2], 3: sum(sizes), 4: 0}
     assert sent[0] + sent[2] == 2 * sum(sizes)
     settled = Agreement(step=3, holders=(0, 1), receivers=())
     assert planned_bytes(sizes, settled, 0, chunk_bytes=chunk) == 0
+
+
+def test_senders_share_the_bytes_when_big_and_small_tensors_alternate() -> None:
+    sizes = [1000, 4] * 6  # weights and biases: by count, every weight would go to holder 0
+    pieces = chunks(sizes, 1000)
+    load = {0: 0, 1: 0, 2: 0}
+    for (_, start, end), sender in zip(pieces, senders(pieces, (0, 1, 2))):
+        load[sender] += end - start
+    assert max(load.values()) - min(load.values()) <= 1000  # within one chunk
 
 
 def test_fingerprint_is_equal_for_equal_states_and_tells_a_changed_element() -> None:

@@ -1,13 +1,15 @@
 """A replica's tensors to the ranks that lack them, and to no other rank.
 
 Rule: one all-gather of (step, fingerprint) per rank decides; holders never change, and only
-receivers get anything, point to point, in chunks of at most 64 MB striped over the holders::
+receivers get anything, point to point, in chunks of at most 64 MB striped over the holders
+by bytes::
 
     agree(step, fingerprint)   -> holders: the newest step, with the lowest such rank's print
                                   receivers: every other rank (a newcomer at -1, one behind)
     no receivers               -> nothing moves: 0 bytes (a node kill in data parallelism)
-    else transfer(tensors)     -> chunk i from holder i mod H to every receiver, into the
-                                  receiver's own tensors; Stream runs it beside training
+    else transfer(tensors)     -> each chunk from the least-loaded holder to every receiver,
+                                  into the receiver's own tensors; Stream runs it beside
+                                  training
 
 After a node kill every survivor finished the same last step (a step completes only once
 its gradient all-reduce has seen every rank's share), so all are holders and the restore
@@ -134,11 +136,25 @@ def chunks(sizes: list[int], chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, 
             for index, size in enumerate(sizes) for start in range(0, size, chunk_bytes)]
 
 
+def senders(pieces: list[tuple[int, int, int]], holders: tuple[int, ...]) -> list[int]:
+    """Pure: the holder that sends each of ``pieces`` (from :func:`chunks`), so that every
+    holder sends about the same number of bytes: each piece goes to the holder that has the
+    fewest so far (the lowest rank on a tie). By count (piece i to holder i mod H) a model
+    of weights and small biases would put every weight on the same holder."""
+    load = dict.fromkeys(holders, 0)
+    chosen = []
+    for _, start, end in pieces:
+        holder = min(holders, key=lambda h: (load[h], h))
+        load[holder] += end - start
+        chosen.append(holder)
+    return chosen
+
+
 def planned_bytes(sizes: list[int], agreement: Agreement, rank: int, *,
                   chunk_bytes: int = CHUNK_BYTES) -> int:
     """Pure: the bytes ``rank`` sends or receives when tensors of ``sizes`` bytes go from
-    the holders to the receivers (each receiver gets every byte once; chunk ``i`` leaves
-    holder ``i mod H`` once per receiver)."""
+    the holders to the receivers (each receiver gets every byte once; each chunk leaves its
+    sender, :func:`senders`, once per receiver)."""
     if agreement.is_settled:
         return 0
     pieces = chunks(sizes, chunk_bytes)
@@ -146,8 +162,8 @@ def planned_bytes(sizes: list[int], agreement: Agreement, rank: int, *,
         return sum(end - start for _, start, end in pieces)
     if rank not in agreement.holders:
         return 0
-    mine = [end - start for number, (_, start, end) in enumerate(pieces)
-            if agreement.holders[number % len(agreement.holders)] == rank]
+    mine = [end - start for (_, start, end), sender
+            in zip(pieces, senders(pieces, agreement.holders)) if sender == rank]
     return sum(mine) * len(agreement.receivers)
 
 
@@ -217,8 +233,9 @@ def transfer(tensors: list[torch.Tensor], agreement: Agreement, group: dist.Proc
     pending: deque[_Pending] = deque()
     moved = 0
     try:
-        for number, (index, start, end) in enumerate(chunks(wires.sizes, chunk_bytes)):
-            sender = agreement.holders[number % len(agreement.holders)]
+        pieces = chunks(wires.sizes, chunk_bytes)
+        for number, ((index, start, end), sender) in enumerate(
+                zip(pieces, senders(pieces, agreement.holders))):
             if not (is_receiver or me == sender):
                 continue
             piece = wires.bytes_of(index)[start:end]
