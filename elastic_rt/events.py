@@ -31,6 +31,7 @@ EVENT_NAMES = frozenset(
         "round.formed",
         "groups.reformed",
         "state.restored",
+        "state.landed",
         "step.retried",
         "step.resumed",
         "step.completed",

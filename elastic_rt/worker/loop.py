@@ -72,7 +72,7 @@ from elastic_rt.errors import (
     UserCodeError,
 )
 from elastic_rt.events import EventSink
-from elastic_rt.layout import ModelLimits
+from elastic_rt.layout import ModelLimits, plan_layout
 from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import Round
@@ -101,6 +101,7 @@ from elastic_rt.worker.trainers import (
     choose,
 )
 from elastic_rt.worker.context import set_context
+from elastic_rt.worker.membership import Membership
 from elastic_rt.worker.static_membership import start_membership
 
 logger = logging.getLogger(__name__)
@@ -196,19 +197,34 @@ class _ElasticLoop:
         use_worker_device(self.env.local_rank)  # cuda:LOCAL_RANK is current before build runs
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
-        self.membership = start_membership(self.env)
+        self.membership = start_membership(self.env, prepare=self._prepare)
         self.collective_timeout = collective_timeout(self.env)
         self.joined: JoinedRound | None = None
         """The round we train in; None before the first and between two rounds."""
         self.progress = Progress()
         self.sitting_out: tuple[int, ...] = ()
         """Data-parallel ranks training no samples this step: their state is still landing."""
+        self._restored_at = 0.0  # for state.landed: when the restore ended, what it moved
+        self._streamed_bytes: int | None = None
         self.clock = StepClock()
         self.heap = None if options.is_sharded else HeapTrimmer()
         self.watchdog = HangWatchdog(self.clock, self.env.hang_factor, self._report_stall)
         registry = self.membership.registry
         self.publisher = ProgressPublisher(registry) if registry is not None else None
         self.checkpoint = self._for_run(checkpoint, registry)
+
+    def _prepare(self, membership: Membership) -> None:
+        """A standby worker builds its state before its node registers, for the layout of
+        the round that will most likely admit it: the current one plus this node's ranks
+        (a wrong guess is built again in the round)."""
+        if self.env.in_round or membership.registry is None:
+            return
+        current = membership.registry.current_round()
+        world = (current.world_size if current is not None else 0) + self.env.local_world_size
+        began = time.monotonic()
+        self.trainer.prepare(plan_layout(world, self.options.limits))
+        logger.info("built ahead of the round for %d ranks in %.2f s", world,
+                    time.monotonic() - began)
 
     def _for_run(self, checkpoint: Checkpointer | None,
                  registry: RunRegistry | None) -> Checkpointer | None:
@@ -278,6 +294,8 @@ class _ElasticLoop:
             self.progress.failed_attempts = 0
             self.clock.completed(time.monotonic())
             if self.sitting_out:  # their state has landed: the whole world trains from now
+                self._phase("state.landed", self._restored_at, sitting_out=list(self.sitting_out),
+                            bytes_moved=self._streamed_bytes)
                 self.sitting_out = ()
                 self.resplit(joined)
             self._after_step(joined, local_loss, global_loss)
@@ -313,6 +331,7 @@ class _ElasticLoop:
                                                   sampler=self.sampler, progress=self.progress,
                                                   run_reached=self._published_step))
         self.sitting_out = restored.sitting_out
+        self._restored_at, self._streamed_bytes = time.monotonic(), restored.bytes_moved
         streaming: dict[str, Any] = {"sitting_out": list(restored.sitting_out)}
         self._phase("state.restored", began, source=restored.source,
                     bytes_moved=restored.bytes_moved, **(streaming if self.sitting_out else {}))

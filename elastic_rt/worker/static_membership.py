@@ -11,6 +11,7 @@ a failed collective ends the job (torchrun restarts it from its checkpoint).
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Callable
 
 from elastic_rt.config import WorkerEnv
 from elastic_rt.errors import ElasticError
@@ -64,9 +65,11 @@ class StaticMembership:
         """Nothing held."""
 
 
-def start_membership(env: WorkerEnv) -> Membership:
+def start_membership(env: WorkerEnv, *,
+                     prepare: Callable[[Membership], None] = lambda _: None) -> Membership:
     """The agents' rounds under ``elastic-rt launch``, else the environment's one round;
-    announced to the agent.
+    announced to the agent once ``prepare`` (what a standby worker does before its node
+    registers: build its state) has returned.
 
     The follower's watch is the abort notice too: a newer round that drops a peer cuts
     short any collective we wait on (``worker/abort.py``).
@@ -77,6 +80,7 @@ def start_membership(env: WorkerEnv) -> Membership:
     # tell the agent we are ready, so that no round waits on it.
     import torch._dynamo  # noqa: F401
 
+    prepare(membership)
     # Tell the agent at once that we recover in-process, so that a round formed
     # while we are still starting does not make it restart us.
     membership.announce()

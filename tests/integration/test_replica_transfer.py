@@ -59,7 +59,12 @@ class _Net(torch.nn.Module):
         return self.second(hidden) + (x @ self.mix)
 
 
+_BUILDS = [0]
+"""Calls of _build in this process."""
+
+
 def _build(layout: Layout) -> TrainState:
+    _BUILDS[0] += 1
     torch.manual_seed(0)  # every rank builds the same model
     model = _Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -144,17 +149,23 @@ def _kill_then_join(env: WorkerEnv) -> dict[str, Any]:
                      and all(torch.equal(after["tensors"][n], t)
                              for n, t in before["tensors"].items()))
         if env.rank == 2:
-            trainer, progress, sampler = fresh()  # a newcomer in its place
+            trainer, progress, sampler = fresh()  # a newcomer in its place, built ahead
+            trainer.prepare(ctx.layout)  # the layout of its round: kept
+            prepared = trainer.state
         else:
             _train(trainer.state, sampler, progress, 2)  # type: ignore[arg-type]
         buffers = {n: t.clone() for n, t in named_tensors(trainer.state)
                    if n in _BUFFERS} if trainer.state is not None else {}
+        builds = _BUILDS[0]
         joined = _restore(trainer, ctx, progress, sampler)
         returned_at = time.monotonic()
+        kept_prepared = env.rank != 2 or (trainer.state is prepared
+                                          and _BUILDS[0] == builds)
         dirty_while_streaming = progress.is_dirty
         landed = _streamed_step(trainer, ctx, progress, sampler, [0, 1], step=6)
         return {"kept": list(kept), "untouched": untouched, "joined": list(joined),
-                "returned_at": returned_at, "landed": landed, "entered": _ENTERED[-1:],
+                "returned_at": returned_at, "kept_prepared": kept_prepared, "landed": landed,
+                "entered": _ENTERED[-1:],
                 "dirty": [dirty_while_streaming, progress.is_dirty], "buffers_before": buffers,
                 **_held(trainer, progress, sampler)}
     finally:
@@ -170,6 +181,7 @@ def test_survivors_move_nothing_and_a_newcomer_gets_the_holders_state_while_they
     # the holders' forward ran while the newcomer's bytes were still arriving
     assert newcomer["landed"] > holder["entered"][0] > holder["returned_at"]
     assert newcomer["entered"] == [] and newcomer["dirty"] == [True, False]
+    assert newcomer["kept_prepared"]  # built before the round, not again in it
     assert newcomer["tensors"].keys() == holder["tensors"].keys()
     for name, tensor in holder["tensors"].items():
         if name in _BUFFERS:
@@ -202,7 +214,10 @@ def _killed_mid_stream(env: WorkerEnv) -> dict[str, Any]:
     else:
         trainer, progress = ReplicatedTrainer(_build, _step, StepOptions(),
                                               chunk_bytes=CHUNK_BYTES), Progress()
+        trainer.prepare(Layout(dp=2))  # a wrong guess of its round's layout: built again
+    builds = _BUILDS[0]
     _restore(trainer, ctx, progress, sampler)
+    rebuilt = _BUILDS[0] - builds
     assert trainer.stream is not None
     if env.rank == 1:  # dies as its forward begins, its share of the stream half sent
         os.kill(os.getpid(), signal.SIGKILL)
@@ -223,6 +238,7 @@ def _killed_mid_stream(env: WorkerEnv) -> dict[str, Any]:
         again = _restore(trainer, ctx, progress, sampler)
         _streamed_step(trainer, ctx, progress, sampler, [0], step=4)
         return {"failed": failed, "after_failure": after_failure, "again": list(again),
+                "rebuilt": rebuilt,
                 **_held(trainer, progress, sampler)}
     finally:
         destroy_groups(groups)
@@ -235,6 +251,7 @@ def test_a_holder_lost_mid_stream_leaves_the_newcomer_a_receiver_and_the_holder_
     assert holder["failed"] == newcomer["failed"] == "RuntimeError"
     # the holder's update waited for the stream: it still holds step 3; the newcomer nothing
     assert holder["after_failure"] == {"step": 3, "dirty": False}
+    assert (holder["rebuilt"], newcomer["rebuilt"]) == (0, 1)
     assert newcomer["after_failure"] == {"step": 3, "dirty": True}
     assert holder["again"][0] == "rank 0" and newcomer["again"][0] == "rank 0"
     assert holder["step"] == newcomer["step"] == 4

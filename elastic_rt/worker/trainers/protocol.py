@@ -107,6 +107,10 @@ class Trainer(Protocol):
     def result(self) -> Any:
         """What ``run`` returns: the ``TrainState`` or the object ``build`` made."""
 
+    def prepare(self, layout: Layout) -> None:
+        """Build ahead of the round, outside any (a standby worker, for the layout its
+        admission will most likely give), so that nobody waits on it then; may do nothing."""
+
     def restore(self, at: Restoring) -> Restored:
         """Bring this rank's state to the newest step any rank holds."""
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 
+from elastic_rt.layout import Layout
 from elastic_rt.worker.context import Context
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.checkpoint_restore import (
@@ -79,9 +80,27 @@ class ReplicatedTrainer(TrainStateTrainer):
         """The state on its way from the holders to the receivers, until the next update."""
         self._receiving: Progress | None = None
         """A receiver's position while its stream is in flight (dirty until it lands)."""
+        self._prepared_for: Layout | None = None
+        """The layout a state built ahead of the first round was built for."""
+
+    def prepare(self, layout: Layout) -> None:
+        """Build before the admitting round, so the members do not wait on ``build`` in
+        the restore's agreement (1.0-1.5 s for 100M parameters here). A build that fails
+        outside a round (e.g. it reads ``context()``) is simply done in the round instead."""
+        try:
+            self.state = self.build(layout)
+        except Exception as exc:  # noqa: B902 - the round's build raises it again, as it must
+            logger.info("build ahead of the round failed (%s); building in the round", exc)
+            self.state = None
+            return
+        self.stepper = ReplicatedStep(self.state, self.step_fn, self.options)
+        self._prepared_for = layout
 
     def restore(self, at: Restoring) -> Restored:
-        if self.state is None or self.stepper is None:
+        prepared_for, self._prepared_for = self._prepared_for, None
+        if self.state is None or self.stepper is None or prepared_for not in (None,
+                                                                              at.ctx.layout):
+            self.state = None  # a state built for another layout goes before the new one
             self.state = self.build(at.ctx.layout)
             self.stepper = ReplicatedStep(self.state, self.step_fn, self.options)
         state, stepper = self.state, self.stepper

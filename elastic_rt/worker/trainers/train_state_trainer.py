@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from elastic_rt.layout import Layout
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.checkpoint_restore import named_state
@@ -24,6 +25,9 @@ class TrainStateTrainer:
 
     def result(self) -> Any:
         return self.state
+
+    def prepare(self, layout: Layout) -> None:
+        """Nothing ahead of the round by default (FSDP wraps the model over its groups)."""
 
     def is_step_atomic(self) -> bool:
         return True

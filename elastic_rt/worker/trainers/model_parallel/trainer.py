@@ -88,5 +88,8 @@ class OwnedStepTrainer:
     def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
         return TrainMeta.capture(step=step, sampler=sampler, state=self.state)
 
+    def prepare(self, layout: Layout) -> None:
+        """Nothing ahead of the round: the object takes its groups while it is built."""
+
     def release(self) -> None:
         """Nothing to let go: the object is rebuilt at the next restore."""
