@@ -26,8 +26,17 @@ before: they miss the update of the one step they sit out.
 Measured at 400 MB of AdamW state on 3 gloo ranks (2 shared cores): after a kill the restore
 took 4.0 s when the whole state was broadcast, and takes 0.1 s with 0 bytes moved (the
 decision itself, fingerprint and all-gather, ~2 ms; the rest is rebuilding the gradient
-buckets); a join took 1.2 s when broadcast and 1.05 s point to point with the members
-waiting (403 MB, 201 MB from each holder).
+buckets). At a join of 1.2 GB (100M parameters, ``scripts/bench/recovery.py --cases
+inproc-join --state-mb 1200``; a normal step 1.7-2.0 s) the members' restore took 3.0 s
+when they waited for the transfer and takes 0.3-0.6 s now (the newcomer builds before it
+registers, :meth:`ReplicatedTrainer.prepare`, and allocates rather than steps its
+optimizer state); their longest gap between steps went from 6.7 s to 5.1-6.1 s. The rest
+is the step the state lands in: on two cores shared by three workers the 1.2 GB stream
+(1.9-3.0 s, done before the holders' backward ends) and the newcomer's first update
+(3.9 s, 390,000 page faults) take the CPU the holders' all-reduce and update need (the
+bench's workers run two threads each). With one thread per worker the streamed step took
+1.7-1.9 s against a normal step's 2.2-2.4 s (3 ranks in one test pool, no agents): the
+transfer itself hides in the step when the CPU is not oversubscribed.
 """
 
 from __future__ import annotations
