@@ -287,7 +287,6 @@ class _ElasticLoop:
             self.progress.is_dirty = self.progress.is_dirty or not self.trainer.is_step_atomic()
             joined.at_step(self.progress.step + 1)
             local_loss, contribution = self.train_step(joined)
-            global_loss = self._global_loss(joined, contribution) if self.on_step else None
             self.sampler.advance()
             self.progress.step += 1
             self.progress.is_dirty = False
@@ -298,6 +297,9 @@ class _ElasticLoop:
                             bytes_moved=self._streamed_bytes)
                 self.sitting_out = ()
                 self.resplit(joined)
+            # Summed only now: the update is applied, so a peer lost during this sum must
+            # not make the next round train the step again (it loses only this report).
+            global_loss = self._global_loss(joined, contribution) if self.on_step else None
             self._after_step(joined, local_loss, global_loss)
 
     # recovery phases --------------------------------------------------------------
