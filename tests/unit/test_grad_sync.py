@@ -1,13 +1,21 @@
 """Gradient buckets over real gloo groups: the sum over uneven (and empty) shares is the
 one-rank gradient of the global batch, reduction starts during backward, buckets go out
-in the same order everywhere, and a compressing hook plugs in."""
+in the same order everywhere, a compressing hook plugs in, and a new round's buckets take
+the old ones' place."""
 
 from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic_rt.worker import grad_sync
 from elastic_rt.worker.grad_sync import GradientBuckets, GradSync, bf16_compress
+from elastic_rt.worker.train_state import TrainState
+from elastic_rt.worker.trainers.runtime_step import ReplicatedStep, StepOptions
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 SAMPLES = 7  # split over 3 ranks as 3, 2, 2; over 8 ranks one rank gets nothing
@@ -126,3 +134,29 @@ def test_a_parameter_one_rank_never_reached_gets_the_other_ranks_gradient() -> N
     for name in rank0["grads"]:
         torch.testing.assert_close(rank0["grads"][name], rank1["grads"][name], atol=0, rtol=0)
     assert rank0["grads"]["extra.weight"].abs().sum() > 0  # rank 1's gradient, not zeros
+
+
+def _rebind(env: WorkerEnv) -> dict[str, bool]:
+    dist.init_process_group("gloo", store=env.store, rank=env.rank, world_size=env.nprocs)
+    model = _model()
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    stepper = ReplicatedStep(state, lambda s, b: s.model(b).sum(), StepOptions())
+    stepper.bind(dist.group.WORLD)  # type: ignore[arg-type]
+    stepper.run([(torch.ones(2, 16), 2)], global_len=2, rank=env.rank, step=1)
+    assert isinstance(stepper.buckets, GradientBuckets)
+    old = [weakref.ref(bucket.buffer) for bucket in stepper.buckets.buckets]
+    alive_at_new: list[int] = []
+    make = grad_sync._Bucket.__init__
+
+    def counting(bucket: Any, params: list[torch.nn.Parameter]) -> None:
+        gc.collect()
+        alive_at_new.append(sum(ref() is not None for ref in old))
+        make(bucket, params)
+
+    grad_sync._Bucket.__init__ = counting  # type: ignore[method-assign, assignment]
+    stepper.bind(dist.group.WORLD)  # type: ignore[arg-type]  # the next round's
+    return {"freed": alive_at_new == [0] * len(alive_at_new) and bool(alive_at_new)}
+
+
+def test_a_new_rounds_buckets_replace_the_old_ones_rather_than_double_them() -> None:
+    assert run_workers(_rebind, 1) == [{"freed": True}]

@@ -97,7 +97,14 @@ class ReplicatedStep:
     def bind(self, dp_group: dist.ProcessGroup, reducer: GradientReducer | None = None) -> None:
         """Average over this round's data-parallel group from now on (through ``reducer``
         when given, e.g. a sharded model's own)."""
+        was_bound = self.buckets is not None
         self.unbind()
+        if was_bound and reducer is None:
+            # The last round's gradients are views into its buckets: dropped first, the new
+            # buckets take their place instead of doubling them (400 MB at 100M parameters).
+            # Nothing reads them: every step starts from none.
+            for param in self.state.model.parameters():
+                param.grad = None
         self.buckets = reducer or GradientBuckets(self.state.model, dp_group,
                                                   self.options.grad_sync)
 
