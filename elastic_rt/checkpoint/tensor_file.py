@@ -23,7 +23,7 @@ import warnings
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -95,63 +95,97 @@ class _RecordingUnpickler(pickle.Unpickler):
 
 def decode_in_place(view: memoryview) -> torch.Tensor | None:
     """A tensor viewing ``view`` (which must stay unchanged while it is used), or None."""
+    found = locate(lambda start, size: view[start:start + size], len(view))
+    if found is None:
+        return None
+    return _view_record(view[found.start:found.start + found.nbytes], found)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where a plain tensor's bytes lie in its record, and how to view them."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    """The tensor's storage offset, in elements."""
+    numel: int
+    """Elements in its storage."""
+    start: int
+    """Where the storage's bytes start in the record."""
+
+    @property
+    def nbytes(self) -> int:
+        """The storage's bytes (the record may hold more: then the rest is unused)."""
+        return self.numel * self.dtype.itemsize
+
+
+Read = Callable[[int, int], memoryview]
+"""``read(start, size)``: those bytes of a record; IndexError when they are not at hand."""
+
+
+def locate(read: Read, length: int) -> TensorRecord | None:
+    """Where the tensor of the ``length``-byte record that ``read`` reads lies, or None
+    (not a plain tensor). Only the record's small parts are read: its zip directory (at
+    the end), the local headers and ``data.pkl`` (at the start, before the data)."""
+    if length < _END.size:
+        return None
     try:
-        members = _members(view)
+        members = _members(read, length)
         order = members.get("byteorder")
-        if order is not None and bytes(view[order[0]:order[0] + order[1]]).decode() != (
-                sys.byteorder):
+        if order is not None and bytes(read(*order)).decode() != sys.byteorder:
             return None
-        start, size = members["data.pkl"]
-        plan = _RecordingUnpickler(io.BytesIO(view[start:start + size])).load()
+        plan = _RecordingUnpickler(io.BytesIO(read(*members["data.pkl"]))).load()
         if not isinstance(plan, _Rebuild) or not isinstance(plan.storage, _Storage):
             return None
         start, size = members[f"data/{plan.storage.key}"]
     except (zipfile.BadZipFile, KeyError, pickle.UnpicklingError, ValueError, TypeError,
             AttributeError, EOFError, UnicodeDecodeError, struct.error, IndexError):
         return None
-    return _view_record(view[start:start + size], plan)
+    found = TensorRecord(plan.storage.dtype, plan.size, plan.stride, plan.offset,
+                         plan.storage.numel, start)
+    return found if 0 <= start and found.nbytes <= size and start + size <= length else None
 
 
 _END = struct.Struct("<4s6xHIIH")  # signature, entries, directory size and offset, comment
 _CENTRAL = struct.Struct("<4s6xH8xI4xHHH8xI")  # sig, method, size, 3 lengths, local offset
 
 
-def _members(view: memoryview) -> dict[str, tuple[int, int]]:
+def _members(read: Read, length: int) -> dict[str, tuple[int, int]]:
     """Member name (without the archive folder) -> (data offset, size), read from the
     zip's central directory. Stored members only; anything else raises BadZipFile.
     """
-    signature, count, _, directory, comment = _END.unpack_from(view, len(view) - _END.size)
+    signature, count, size, directory, comment = _END.unpack(read(length - _END.size, _END.size))
     if signature != b"PK\x05\x06" or directory == 0xFFFFFFFF or comment:
         raise zipfile.BadZipFile("no plain end-of-directory record (zip64 or a comment)")
+    entries = read(directory, size)
     members: dict[str, tuple[int, int]] = {}
-    pos = directory
+    pos = 0
     for _ in range(count):
         sig, method, size, name_len, extra_len, comment_len, local = _CENTRAL.unpack_from(
-            view, pos)
+            entries, pos)
         if sig != b"PK\x01\x02" or method != zipfile.ZIP_STORED or 0xFFFFFFFF in (size, local):
             raise zipfile.BadZipFile("not a plain stored member")
-        name = bytes(view[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]).decode()
-        members[name.split("/", 1)[-1]] = (_data_start(view, local), size)
+        name = bytes(entries[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]).decode()
+        members[name.split("/", 1)[-1]] = (_data_start(read, local), size)
         pos += _CENTRAL.size + name_len + extra_len + comment_len
     return members
 
 
-def _data_start(view: memoryview, local: int) -> int:
-    signature, name_len, extra_len = _LOCAL_HEADER.unpack_from(view, local)
+def _data_start(read: Read, local: int) -> int:
+    signature, name_len, extra_len = _LOCAL_HEADER.unpack(read(local, _LOCAL_HEADER.size))
     if signature != b"PK\x03\x04":
         raise zipfile.BadZipFile("bad local header")
     return local + _LOCAL_HEADER.size + name_len + extra_len
 
 
-def _view_record(record: memoryview, plan: _Rebuild) -> torch.Tensor | None:
-    nbytes = plan.storage.numel * plan.storage.dtype.itemsize
-    if len(record) < nbytes:
-        return None
-    if nbytes == 0:
-        flat = torch.empty(0, dtype=plan.storage.dtype)
+def _view_record(record: memoryview, found: TensorRecord) -> torch.Tensor | None:
+    if found.nbytes == 0:
+        flat = torch.empty(0, dtype=found.dtype)
     else:
-        flat = torch.frombuffer(record[:nbytes], dtype=plan.storage.dtype)
+        flat = torch.frombuffer(record, dtype=found.dtype)
     try:
-        return flat.as_strided(plan.size, plan.stride, plan.offset)
+        return flat.as_strided(found.size, found.stride, found.offset)
     except RuntimeError:
         return None

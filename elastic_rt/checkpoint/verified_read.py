@@ -5,14 +5,11 @@ tensors. We read every file it touches front to back exactly once, hashing every
 byte and checking size and checksum against the manifest, so damage anywhere in a
 file is caught even when only part of it is needed (see the note for when).
 
-Reading runs on reader threads (one file at a time each) while the caller's thread
-decodes the items that have arrived and copies them into the model, so I/O, hashing
-and copying overlap -- all three release the GIL.
-
-* A local file is memory-mapped: items are views of the page cache, so the bytes are
-  touched twice (hash, then copy into the model) where plain DCP copies them twice
-  and reads them once. One reader thread, one sequential stream.
-* An object store gets one reader per file DCP wrote per rank, because one S3
+* A local file is read straight into the model's tensors by two threads, which hash
+  each piece as it lands (:mod:`.local_read`: at the disk's speed cold, ~1 MB of
+  memory beyond the state); one file after another, so the disk sees one stream.
+* An object store gets one reader thread per file DCP wrote per rank (the caller's
+  thread decodes the items that arrived and copies them in meanwhile), because one S3
   stream is slow and several in parallel are how S3 reaches its throughput. Each
   file is fetched in ranged GETs of whole runs of items (no HEAD: one listing of
   the folder has every size; no file object and its cache copies), and items are
@@ -22,20 +19,18 @@ Tensor items are decoded in place (:mod:`.tensor_file`); pickled (``BYTE_IO``)
 items are refused.
 
 Note:
-    A local file is checked whole (one hash pass over the page cache, which the copy
-    then reads again) before any of its items is handed out, so damaged bytes never
-    reach the model. An object-store file's size is checked before it is read (from
-    one listing of the folder, as ``verify`` sees it), but its checksum only as it
-    streams: a failed check may come after some of its items were copied in. The
-    load then fails and the caller's fallback load overwrites them.
+    A file's size is checked before it is read (an object's from one listing of the
+    folder, as ``verify`` sees it), but its checksum only once its bytes are read: a
+    failed check comes after some of its items were copied in. The load then fails
+    and the caller's fallback load overwrites them. (A local file used to be checked
+    whole before its items were copied, from a mapping of the whole file: 1.2 GB of
+    resident memory for a 1.2 GB state, see :mod:`.local_read`.)
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import mmap
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -51,6 +46,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future as TorchFuture
 
 from elastic_rt.checkpoint.checksum import Hasher, hasher_like
+from elastic_rt.checkpoint.local_read import check_file, read_local_file
 from elastic_rt.checkpoint.manifest import FileEntry, Manifest
 from elastic_rt.checkpoint.storage import (
     NOT_A_FILE,
@@ -137,10 +133,12 @@ class VerifyingReader(FsspecReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         jobs = self._jobs(plan)
-        if jobs:
-            readers = 1 if self._storage.is_local else min(OBJECT_STORE_READERS, len(jobs))
-            _Pipeline(self._storage, jobs, readers, self._sizes).run(
-                lambda job, item, data: self._load_item(item, data, planner, job.source))
+        if self._storage.is_local:
+            _read_local(jobs, planner)
+        elif jobs:
+            _Pipeline(self._storage, jobs, min(OBJECT_STORE_READERS, len(jobs)),
+                      self._sizes).run(
+                lambda job, item, data: _load_item(item, data, planner, job.source))
         future: TorchFuture[None] = TorchFuture()
         future.set_result(None)
         return future
@@ -162,19 +160,33 @@ class VerifyingReader(FsspecReader):
             job.items.sort(key=lambda entry: entry[1])
         return sorted(jobs.values(), key=lambda j: j.rel)
 
-    @staticmethod
-    def _load_item(item: ReadItem, data: memoryview, planner: LoadPlanner, source: str) -> None:
-        if item.type == LoadItemType.BYTE_IO:
-            raise CorruptShardError(f"{source} holds a pickled object for {item.dest_index.fqn!r};"
-                                    " it was refused")
-        tensor = decode_item(data, source, item.dest_index.fqn)
-        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            raise CorruptShardError(f"{source} has shape {tuple(tensor.size())} for "
-                                    f"{item.dest_index.fqn!r}, expected {tuple(target.size())}")
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
+
+def _read_local(jobs: list[_FileJob], planner: LoadPlanner) -> None:
+    """Local files, one after another (one sequential stream): :mod:`.local_read`."""
+    refusals = []
+    for job in jobs:
+        def load(item: ReadItem, data: memoryview, source: str = job.source) -> None:
+            _load_item(item, data, planner, source)
+
+        refusal = read_local_file(job.path, job.source, job.expected, job.items, planner, load)
+        if refusal is not None:
+            refusals.append(refusal)
+    if refusals:
+        raise refusals[0]  # every file passed its check: the refusal is the fault
+
+
+def _load_item(item: ReadItem, data: memoryview, planner: LoadPlanner, source: str) -> None:
+    if item.type == LoadItemType.BYTE_IO:
+        raise CorruptShardError(f"{source} holds a pickled object for {item.dest_index.fqn!r};"
+                                " it was refused")
+    tensor = decode_item(data, source, item.dest_index.fqn)
+    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise CorruptShardError(f"{source} has shape {tuple(tensor.size())} for "
+                                f"{item.dest_index.fqn!r}, expected {tuple(target.size())}")
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)
 
 
 class _Pipeline:
@@ -253,35 +265,11 @@ class _Pipeline:
 
     def _read_file(self, job: _FileJob) -> None:
         hasher = hasher_like(job.expected.checksum)
-        if self._storage.is_local:
-            self._read_mapped(job, hasher)
-            return
         listed = job.expected.size if self._sizes is None else self._sizes.get(job.rel)
         if listed is None:
             raise CorruptShardError(f"{job.source} is missing or not a file")
-        _check(job, listed, None)
-        _check(job, self._read_streamed(job, hasher), hasher.value())
-
-    def _read_mapped(self, job: _FileJob, hasher: Hasher) -> None:
-        """A local file is mapped, not read, and checked whole before its items (views
-        of the page cache) are handed out: the copy into the model is the only other
-        pass over its bytes."""
-        with open(job.path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            _check(job, size, None)
-            if size == 0:
-                _check(job, size, hasher.value())
-                return
-            # Copy-on-write, so views are writable for torch.frombuffer; nothing writes.
-            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        mapped.madvise(mmap.MADV_SEQUENTIAL)
-        whole = memoryview(mapped)
-        hasher.update(whole)
-        _check(job, size, hasher.value())
-        for item, offset, length in job.items:
-            if self._cancel.is_set():
-                raise _Cancelled()
-            self._arrivals.put(("item", job, item, whole[offset:min(offset + length, size)], 0))
+        check_file(job.source, job.expected, listed, None)
+        check_file(job.source, job.expected, self._read_streamed(job, hasher), hasher.value())
 
     def _read_streamed(self, job: _FileJob, hasher: Hasher) -> int:
         """An object is fetched in ranged GETs of whole items (no HEAD, no file object
@@ -332,16 +320,6 @@ class _Pipeline:
             return CorruptShardError(f"{job.source} fails its check: {actual} bytes, the "
                                      f"manifest says {job.expected.size}")
         return translate_error(exc, self._storage.url)
-
-
-def _check(job: _FileJob, size: int, checksum: str | None) -> None:
-    """Raise CorruptShardError unless ``size`` (and ``checksum``, if given) match the
-    manifest's."""
-    if size == job.expected.size and checksum in (None, job.expected.checksum):
-        return
-    found = f"{size} bytes" + (f" with checksum {checksum}" if checksum else "")
-    wanted = f"{job.expected.size} bytes" + (f" with {job.expected.checksum}" if checksum else "")
-    raise CorruptShardError(f"{job.source} fails its check: {found}, the manifest says {wanted}")
 
 
 def _segments(items: list[tuple[ReadItem, int, int]]) -> list[list[tuple[ReadItem, int, int]]]:

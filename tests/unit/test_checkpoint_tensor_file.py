@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_rt.checkpoint.tensor_file import decode_in_place
+from elastic_rt.checkpoint.tensor_file import decode_in_place, locate
 
 
 def _saved(obj: object) -> memoryview:
@@ -56,3 +56,24 @@ def test_a_planted_payload_is_not_run(tmp_path: Path) -> None:
     assert decode_in_place(_saved({"x": _Payload(target)})) is None
     assert decode_in_place(memoryview(bytearray(b"not a zip"))) is None
     assert not target.exists()
+
+
+def test_a_tensor_is_located_from_the_head_and_tail_of_its_record_alone() -> None:
+    view = _saved(torch.randn(64, 64))
+    head, tail = view[:4096], view[-4096:]
+    length = len(view)
+
+    def read(start: int, size: int) -> memoryview:
+        if start + size <= len(head):
+            return head[start:start + size]
+        if start >= length - len(tail):
+            return tail[start - (length - len(tail)):][:size]
+        raise IndexError(start)
+
+    found = locate(read, length)
+    whole = decode_in_place(view)
+    assert found is not None and whole is not None
+    assert (found.dtype, found.size, found.stride, found.numel) == (
+        torch.float32, (64, 64), (64, 1), 64 * 64)
+    base = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+    assert whole.data_ptr() - base == found.start
