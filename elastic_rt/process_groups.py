@@ -19,8 +19,10 @@ Does not guarantee: that the groups survive a peer's death; a collective on a br
 fails (or times out after ``timeout``) and the caller re-forms.
 
 Backends, per group (see :mod:`elastic_rt.accelerator` for why): the world and axis groups
-are gloo without CUDA and mixed with it (``cpu:gloo,cuda:nccl``: gradients over NCCL, the
-CPU tensors of state and shard sync and the loss sum over gloo). Side groups
+are gloo without CUDA, as :mod:`elastic_rt.noticed_gloo` groups (gloo whose every wait,
+FSDP's and the user's too, ends when the round is abandoned), and mixed with it
+(``cpu:gloo,cuda:nccl``: gradients over NCCL, the CPU tensors of state and shard sync and
+the loss sum over gloo). Side groups
 (:func:`side_group`, checkpoint coordination) are always gloo: they carry CPU objects
 only, and must not queue behind training work on the NCCL stream. :func:`abort_groups`
 aborts NCCL communicators from any thread (a round abandoned while a collective blocks
@@ -41,7 +43,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, _redistribute
 
-from elastic_rt.accelerator import backend_from_env, uses_nccl
+from elastic_rt import noticed_gloo
+from elastic_rt.accelerator import GLOO, backend_from_env, uses_nccl
 from elastic_rt.layout import AXES, Layout
 
 logger = logging.getLogger(__name__)
@@ -59,7 +62,8 @@ class Groups:
         pp: the pipeline stages of this rank's replica (same ``dp`` and ``tp``).
         tp: the ranks sharing this rank's stage by tensor split (same ``pp`` and ``dp``).
         mesh: a ``("pp", "dp", "tp")`` mesh over the same groups, for DTensor.
-        backend: torch's name: ``"gloo"``, or ``"cpu:gloo,cuda:nccl"`` (mixed).
+        backend: torch's name: ``noticed_gloo.BACKEND`` (gloo), or ``"cpu:gloo,cuda:nccl"``
+            (mixed).
         shard_mesh: the mesh ``fully_shard`` shards over when ``layout.shard > 1``: one
             ``"shard"`` axis (FSDP), or ``("replicate", "shard")`` (HSDP); else None.
     """
@@ -128,6 +132,8 @@ def init_groups(
     if dist.is_initialized():
         raise RuntimeError("process groups exist already; destroy_groups() the last round's first")
     backend = backend or pick_backend()
+    if backend == GLOO:
+        backend = noticed_gloo.BACKEND
     try:
         groups = _create(store, rank, layout, prefix, timeout, join_timeout or timeout, backend)
     except BaseException:
@@ -342,6 +348,8 @@ def abandon_side_group(group: dist.ProcessGroup) -> None:
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta:
     """How long ``group``'s collectives wait for a peer (for a side group beside it)."""
+    if isinstance(group, noticed_gloo.NoticedGloo):
+        return group.timeout
     return group._get_backend(group._device_types[0]).options._timeout
 
 

@@ -22,12 +22,12 @@ receives in place, but a late byte there is the same byte of the same step
 (``trainers/replica_transfer.py``).
 
 Collectives the runtime does not wait on itself (FSDP's all-gathers, a pipeline's
-send/recv, DTensor's, the user's own) are freed on NCCL by the notice too: it aborts
+send/recv, DTensor's, the user's own) are freed by the notice too. On NCCL it aborts
 the process's NCCL communicators at once, from the watch thread, and a blocked NCCL
-collective then returns with an error (``process_groups.abort_groups``). Note: gloo has
-no such abort (torch 2.13's returns without freeing a blocked thread, and shutting its
-sockets from outside aborts the process), so on CPU such a collective waits for its
-peer's sockets to close or for its timeout.
+collective then returns with an error (``process_groups.abort_groups``). gloo has no
+such abort (torch 2.13's returns without freeing a blocked thread, and shutting its
+sockets from outside aborts the process), so on CPU the round's groups are
+``noticed_gloo`` groups, whose every wait asks this notice between short slices.
 
 A round that only *adds* members (a node admitted) is no notice: our collectives
 will complete, and the loop re-forms at the next step boundary as before.
@@ -43,6 +43,7 @@ from typing import Callable, TypeVar
 
 from torch.futures import Future
 
+from elastic_rt import noticed_gloo
 from elastic_rt.errors import RoundAbandoned
 from elastic_rt.process_groups import abort_groups
 from elastic_rt.rendezvous.rounds import Round
@@ -122,6 +123,7 @@ class RoundNotice:
 
 
 _notice = RoundNotice(on_given=abort_groups)
+noticed_gloo.end_waits_when(lambda: _notice.is_given)
 
 
 def round_notice() -> RoundNotice:

@@ -29,14 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import default_collate
 
 from elastic_rt.events import Event
 from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
-from elastic_rt.sampler import ElasticSampler
 from scripts.examples import fsdp_train as ft
+from tests.fixtures.fsdp_reference import reference_params
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, launch_args
 
@@ -75,21 +74,6 @@ def _restored(tmp: Path, node: str, source: str) -> bool:
 
 def _steps_in(tmp: Path, world_size: int) -> list[int]:
     return [e.step or 0 for e in _completed(tmp) if e.metadata["world_size"] == world_size]
-
-
-def _reference_params() -> dict[str, torch.Tensor]:
-    """One process, the whole global batch per step: what every layout must end with."""
-    data = ft.Regression(n=GLOBAL_BATCH * 50, width=WIDTH)
-    sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, seed=0)
-    model = ft.make_model(WIDTH, HIDDEN)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(STEPS):
-        x, y = default_collate([data[i] for i in sampler.global_batch()])
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        sampler.advance()
-    return {name: p.detach() for name, p in model.named_parameters()}
 
 
 @dataclass(frozen=True)
@@ -150,7 +134,7 @@ def test_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
         assert nodes[node].wait(timeout=180) == 0, (tmp_path / f"{node}.log").read_text()[-3000:]
 
     got = ft.join_params(str(tmp_path / "out"))
-    want = _reference_params()
+    want = reference_params(steps=STEPS, global_batch=GLOBAL_BATCH, width=WIDTH, hidden=HIDDEN)
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)

@@ -1,0 +1,264 @@
+"""gloo groups whose every wait ends when the round is abandoned, whoever issued the collective.
+
+Why: the runtime waits on its own collectives through the round's notice
+(``worker/abort.py``), but FSDP's all-gathers and reduce-scatters, a pipeline's send/recv,
+DTensor's redistributions and a user's own ``dist.all_reduce`` wait inside gloo, and torch
+2.13's gloo has no abort that frees them (``abort()`` and ``shutdown()`` return without
+waking a blocked thread; closing its sockets from outside aborts the process). A survivor
+that is not the dead node's ring neighbour then sat in FSDP's forward until gloo's timeout:
+6-8 s with the default, ten minutes with a ten-minute timeout.
+
+So on CPU every group of a round is a :class:`NoticedGloo`: a Python ``ProcessGroup``,
+torch's own extension point for third-party backends (``Backend.register_backend``), over
+an ordinary gloo group. Every collective goes straight to gloo; what changes is the wait.
+:meth:`NoticedWork.wait` waits on gloo's work in slices of :data:`SLICE` and, between
+slices, asks the notice whether the round is over; if it is, it raises
+:class:`~elastic_rt.errors.RoundAbandoned`, which the loop handles as for any failed
+collective (the groups are abandoned, the step is retried in the new round). The
+collective itself stays in gloo's thread and, should it ever finish, writes only into that
+round's buffers, which the new round does not use. A finished collective wakes its waiter at
+once (gloo signals completion); only the notice is seen up to one slice late. A send or
+recv is waited on by a thread of its own (gloo's cannot be waited on in slices).
+
+Does not cover: a wait made in C++ on the work's future (DDP's reducer calls
+``getFuture()->wait()``: that one waits for gloo), and groups that mix NCCL and gloo: a
+Python group replaces torch's whole group, so it cannot carry NCCL beside it; there the
+notice aborts the NCCL communicators (``process_groups.abort_groups``), and gloo carries
+only the runtime's CPU collectives, which it waits on through the notice itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import GroupName
+
+from elastic_rt.errors import RoundAbandoned
+
+BACKEND = "elastic_gloo"
+"""torch's name for the backend (``init_process_group(BACKEND, ...)``, ``new_group``)."""
+
+SLICE = timedelta(milliseconds=20)
+"""How long a wait blocks in gloo before it looks at the notice again: the latest a
+notice is seen. A slice that ends costs one caught exception (microseconds)."""
+
+_SLICE_ENDED = "Operation timed out!"
+"""What torch's ``Work.wait(timeout)`` raises when the timeout passed first."""
+
+_round_is_over: Callable[[], bool] = lambda: False  # noqa: E731 - set by the loop's notice
+
+
+def end_waits_when(round_is_over: Callable[[], bool]) -> None:
+    """Make every wait on a :class:`NoticedGloo` group end once ``round_is_over()``.
+
+    Called once by ``worker/abort.py`` with its notice; thread-safe to read from any
+    thread. Without it a wait is a plain wait.
+    """
+    global _round_is_over
+    _round_is_over = round_is_over
+
+
+class NoticedWork(dist._Work):
+    """gloo's work for one collective, whose wait gives up when the round is over.
+
+    Two ways to wait, because gloo has two kinds of work. A collective's can be waited on
+    for a while and then again: it waits in slices. A send's or a recv's cannot (a wait
+    that times out completes it with the timeout's error), so it is waited on whole by a
+    thread of its own, and the caller waits for that thread in slices; on notice that
+    thread is left blocked in gloo with the abandoned round (one per abandoned send/recv).
+    """
+
+    def __init__(self, gloo_work: dist.Work, *, point_to_point: bool) -> None:
+        super().__init__()
+        self._work = gloo_work
+        self._waiter: _Waiter | None = _Waiter(gloo_work) if point_to_point else None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait until the collective completes, the round is over, or ``timeout`` passes.
+
+        Raises:
+            RoundAbandoned: the round was abandoned first (the collective is left to gloo).
+            RuntimeError: the collective failed (e.g. a peer's connection closed), or
+                ``timeout`` passed first (gloo's "Operation timed out!").
+        """
+        deadline = None if not timeout else time.monotonic() + timeout.total_seconds()
+        while True:
+            if _round_is_over() and not self.is_completed():
+                raise RoundAbandoned(
+                    "a newer round dropped a member of ours; a gloo ProcessGroup's collective "
+                    "was abandoned")
+            waited = SLICE.total_seconds()
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(_SLICE_ENDED)
+                waited = min(waited, left)
+            if self._waiter is not None:
+                if self._waiter.wait(waited):
+                    return True
+                continue
+            try:
+                return self._work.wait(timedelta(seconds=waited))
+            except RuntimeError as exc:
+                # torch's own words for a wait that ran out (gloo's errors have others);
+                # the work may have completed just after it: the next wait says how
+                if _SLICE_ENDED in str(exc):
+                    continue
+                raise
+
+    def is_completed(self) -> bool:
+        if self._waiter is not None:
+            return self._waiter.is_done()
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._work.result()
+
+    def source_rank(self) -> int:
+        return self._work.source_rank()
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """gloo's own future: the runtime waits on it through the notice (``abort.wait``)."""
+        return self._work.get_future()
+
+
+class _Waiter:
+    """One send's or recv's whole wait, in a thread, started at the first :meth:`wait`."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        try:
+            self._work.wait()
+        except BaseException as exc:  # noqa: B902 - handed to the waiting thread
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Whether the work finished within ``seconds``; raises the work's own error."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="noticed-gloo-p2p",
+                                            daemon=True)
+            self._thread.start()
+        if not self._done.wait(seconds):
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_done(self) -> bool:
+        return self._done.is_set()
+
+
+class NoticedGloo(dist.ProcessGroup):
+    """A gloo group whose collectives return :class:`NoticedWork`.
+
+    It holds a plain torch ``ProcessGroup`` with gloo as its CPU backend and forwards each
+    collective, under the name torch calls it by (from Python, ``distributed_c10d``; from
+    C++, the functional collectives DTensor uses), to the same method there.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg] # the trampoline's own form
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._group = dist.ProcessGroup(store, rank, size)
+        gloo_type = dist.ProcessGroup.BackendType.GLOO
+        self._group._set_default_backend(gloo_type)
+        self._group._register_backend(torch.device("cpu"), gloo_type, self._gloo)
+        self._name = GroupName("")
+        self._desc = ""
+        self.timeout = timeout
+
+    # torch sets and reads the group's name and description through these (C++ asks
+    # the backend, and this group has none registered with torch).
+    def setGroupName(self, name: GroupName) -> None:  # noqa: N802 - torch's C++ name
+        self._name = name
+        self._group._set_group_name(name)
+
+    def getGroupName(self) -> GroupName:  # noqa: N802 - torch's C++ name
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's C++ name
+        self._desc = desc
+        self._group._set_group_desc(desc)
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's C++ name
+        return self._desc
+
+    @property
+    def group_name(self) -> GroupName:
+        return self._name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's C++ name
+        return BACKEND
+
+    @property
+    def options(self) -> Any:
+        """gloo's options (``_timeout`` among them), as torch's gloo backend has them."""
+        return self._gloo.options
+
+    def abort(self) -> None:
+        self._group.abort()
+
+    def shutdown(self) -> None:
+        self._group.shutdown()
+
+
+_COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+    "broadcast", "reduce", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "alltoall",
+    "alltoall_base", "all_to_all_single", "gather", "scatter", "send", "recv",
+    "recv_anysource", "barrier", "monitored_barrier",
+)
+"""Every collective of torch 2.13's ``ProcessGroup``, by the names torch calls."""
+
+
+_POINT_TO_POINT = frozenset({"send", "recv", "recv_anysource"})
+
+
+def _forwarded(name: str) -> Callable[..., NoticedWork]:
+    point_to_point = name in _POINT_TO_POINT
+
+    def collective(self: NoticedGloo, *args: Any, **kwargs: Any) -> NoticedWork:
+        work = getattr(self._group, name)(*args, **kwargs)
+        return NoticedWork(work, point_to_point=point_to_point)
+
+    collective.__name__ = name
+    collective.__doc__ = f"gloo's ``{name}``, waited on through the notice."
+    return collective
+
+
+for _name in _COLLECTIVES:
+    setattr(NoticedGloo, _name, _forwarded(_name))
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> NoticedGloo:
+    return NoticedGloo(store, rank, size, timeout)
+
+
+dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])

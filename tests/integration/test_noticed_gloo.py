@@ -1,0 +1,143 @@
+"""Every collective on a round's gloo groups returns on the round's notice, whoever issued it.
+
+The runtime waits on its own collectives through the notice; these are the ones it does
+not issue: FSDP2's all-gathers (forward) and reduce-scatters (backward), a pipeline
+schedule's send/recv (``torch.distributed.pipelining``), DTensor's redistribution
+(functional collectives, waited on from C++) and a plain ``dist.all_reduce`` from user
+code. Three gloo ranks with a 10-minute collective timeout: rank 2 hangs (it never
+enters the collective, its sockets stay open, as a SIGSTOPped peer's do), the notice of a
+round without it comes 0.3 s later, and ranks 0 and 1 must be out of the collective with
+``RoundAbandoned`` at once; then all three form the next round in the same processes.
+Without ``noticed_gloo`` each wait here lasts the 10 minutes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from elastic_rt.errors import RoundAbandoned
+from elastic_rt.layout import Layout
+from elastic_rt.noticed_gloo import NoticedGloo
+from elastic_rt.process_groups import Groups, abandon_groups, destroy_groups, init_groups
+from elastic_rt.worker.abort import round_notice
+from tests.fixtures.torchdist import (
+    NOTICE_AFTER_S,
+    TEN_MINUTES,
+    WorkerEnv,
+    loopback_round,
+    run_workers,
+)
+
+pytestmark = pytest.mark.slow
+
+HUNG = 2
+
+
+def _user_all_reduce(groups: Groups) -> None:
+    dist.all_reduce(torch.ones(8), group=groups.world)
+
+
+def _dtensor_gather(groups: Groups) -> None:
+    assert groups.shard_mesh is not None
+    distribute_tensor(torch.arange(12.0), groups.shard_mesh, [Shard(0)]).full_tensor()
+
+
+def _fsdp_model(groups: Groups) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+    for layer in model:
+        fully_shard(layer, mesh=groups.shard_mesh)
+    fully_shard(model, mesh=groups.shard_mesh)
+    return model
+
+
+def _fsdp_forward(groups: Groups) -> None:
+    _fsdp_model(groups)(torch.ones(2, 16))
+
+
+def _fsdp_backward(groups: Groups) -> None:
+    model = _fsdp_model(groups)
+    loss = model(torch.ones(2, 16)).sum()
+    groups.world.barrier().wait()  # all three ran the forward; the hung one stops here
+    loss.backward()
+
+
+def _pipeline(groups: Groups) -> None:
+    torch.manual_seed(0)
+    stage = PipelineStage(torch.nn.Linear(8, 8), groups.rank, groups.world.size(),
+                          torch.device("cpu"), group=groups.world)
+    schedule = ScheduleGPipe(stage, n_microbatches=2,
+                             loss_fn=lambda out, target: (out - target).pow(2).mean())
+    if groups.rank == 0:
+        schedule.step(torch.ones(4, 8))
+    else:
+        schedule.step()
+
+
+KINDS: dict[str, Callable[[Groups], None]] = {
+    "user all_reduce": _user_all_reduce,
+    "DTensor full_tensor": _dtensor_gather,
+    "FSDP forward": _fsdp_forward,
+    "FSDP backward": _fsdp_backward,
+    "pipeline GPipe": _pipeline,
+}
+
+
+def _form(env: WorkerEnv, number: int) -> Groups:
+    return init_groups(env.store, rank=env.rank, world_size=3, layout=Layout(dp=3, shard=3),
+                       prefix=f"/elastic_rt/test/round-{number}/", timeout=TEN_MINUTES)
+
+
+def _abandon_each_kind(env: WorkerEnv) -> dict[str, object]:
+    notice = round_notice()
+    outcomes: dict[str, object] = {}
+    for number, (kind, collective) in enumerate(KINDS.items()):
+        groups = _form(env, number)
+        assert isinstance(groups.world, NoticedGloo) and isinstance(groups.dp, NoticedGloo)
+        notice.train_in(loopback_round(number, "a", "b", "c"))
+        if env.rank == HUNG:
+            if kind == "FSDP backward":  # it takes part in the forward, then hangs
+                _fsdp_model(groups)(torch.ones(2, 16))
+                groups.world.barrier().wait()
+            env.store.wait([f"abandoned-{number}-0", f"abandoned-{number}-1"])
+            abandon_groups(groups)
+            continue
+        # what the worker's round watch does when the agents evict the hung node
+        threading.Timer(NOTICE_AFTER_S, notice.observe,
+                        args=(loopback_round(number + 1, "a", "b"),)).start()
+        began = time.monotonic()
+        try:
+            collective(groups)
+            outcome = "completed"
+        except RoundAbandoned:
+            outcome = "abandoned"
+        outcomes[kind] = {"outcome": outcome, "waited": time.monotonic() - began}
+        abandon_groups(groups)
+        env.store.set(f"abandoned-{number}-{env.rank}", "1")
+    # the next round, the hung rank back in it, trains in the same processes
+    groups = _form(env, len(KINDS))
+    notice.train_in(loopback_round(len(KINDS), "a", "b", "c"))
+    total = torch.tensor([float(env.rank + 1)])
+    dist.all_reduce(total, group=groups.world)
+    destroy_groups(groups)
+    return {"kinds": outcomes, "sum": total.item()}
+
+
+def test_every_collective_on_a_round_notice_returns_whoever_issued_it() -> None:
+    results = run_workers(_abandon_each_kind, 3, timeout_s=120)
+    for survivor in results[:HUNG]:
+        assert survivor["kinds"].keys() == KINDS.keys()
+        for kind, seen in survivor["kinds"].items():
+            assert seen["outcome"] == "abandoned", kind
+            # not the 10-minute timeout: the notice, seen within a slice
+            assert NOTICE_AFTER_S - 0.05 < seen["waited"] < NOTICE_AFTER_S + 2.0, (kind, seen)
+    assert [r["sum"] for r in results] == [6.0] * 3
