@@ -37,6 +37,10 @@ inproc-fence       node c is SIGSTOPped until its lease expires and the others
                    and comes back (the fault's time is the SIGCONT)
 inproc-worker-min  ``--nnodes 3:3``: the job is at its minimum node count, so
                    node c cannot step out; SIGKILL of its worker process group
+inproc-fsdp-kill   inproc-kill with the state sharded over the three ranks (FSDP2,
+                   ``--max-shard 3``, peer copies every step): ``--state-mb`` is then the
+                   job's whole state, a third of it per rank, and the survivors restore
+                   the lost third from the copies in their host memory
 =================  ==========================================================
 
 For the join cases and inproc-fence "recovery" is the time from starting (or
@@ -123,6 +127,8 @@ class Case:
     rdzv_conf: str = ""
     min_nodes: int = 2
     """elastic-rt ``--nnodes MIN:3``."""
+    script_flags: tuple[str, ...] = ()
+    """More flags for the training script."""
 
 
 def cases(args: argparse.Namespace) -> dict[str, Case]:
@@ -140,6 +146,9 @@ def cases(args: argparse.Namespace) -> dict[str, Case]:
         Case("restart-join", "elastic", False, "join", "-"),
         Case("inproc-fence", "elastic", True, "fence", "pause <= 1.0 s"),
         Case("inproc-worker-min", "elastic", True, "worker-kill", "<= 1.5 s", min_nodes=3),
+        Case("inproc-fsdp-kill", "elastic", True, "node-kill",
+             "<= 1.5 s beyond a step, <= 1 redone (peer copies)",
+             script_flags=("--max-shard", str(len(NODES)))),
     ]
     return {c.name: c for c in listed}
 
@@ -217,7 +226,7 @@ class Job:
         if self.case.in_process:
             size = (["--width", str(WIDE_INPUT), "--hidden", str(max(1, params // WIDE_INPUT))]
                     if a.state_mb else ["--width", "64"])
-            return [ELASTIC_SCRIPT, *common, *size, "--global-batch", "48",
+            return [ELASTIC_SCRIPT, *common, *size, *self.case.script_flags, "--global-batch", "48",
                     "--checkpoint", str(self.work / "ckpt"), "--every", str(a.ckpt_every)]
         width = int(params ** 0.5) if a.state_mb else 64  # Linear(w, w)-Tanh-Linear(w, 1)
         return [TORCHRUN_SCRIPT, *common, "--width", str(width),

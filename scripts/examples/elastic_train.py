@@ -56,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "worker"], default="cpu",
                    help="where the model is built: the CPU, or elastic_rt.worker_device() "
                         "(cuda:LOCAL_RANK when CUDA is present)")
+    p.add_argument("--max-shard", type=int, default=1,
+                   help="shard the state over up to this many ranks (FSDP2); 1: replicas")
     p.add_argument("--hook-count", default=None,
                    help="rank 0 writes how often its optimizer's step hooks ran here")
     return p.parse_args()
@@ -63,6 +65,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.out and args.max_shard > 1:
+        raise SystemExit("--out writes rank 0's whole model: use it without --max-shard")
     hook_calls: list[int] = []
 
     def build(layout: ert.Layout) -> ert.TrainState:
@@ -105,6 +109,7 @@ def main() -> None:
         loader=ert.LoaderOptions(num_workers=args.num_workers),
         autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp or ""),
         clip_grad_norm=args.clip,
+        limits=ert.ModelLimits(max_shard=args.max_shard),
     )
     # rank 0 of the last round writes the result (after run, context() is the last round's)
     if args.out and ert.context().rank == 0:
