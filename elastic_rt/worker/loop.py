@@ -91,6 +91,7 @@ from elastic_rt.worker.hang import HangWatchdog, report_stall
 from elastic_rt.worker.joined_round import JoinedRound, close_round, collective_timeout, join
 from elastic_rt.worker.progress import ProgressPublisher, StepClock, StepReport, published_step
 from elastic_rt.worker.run_options import RunOptions
+from elastic_rt.worker.rss_peak import RssPeak
 from elastic_rt.worker.trainers import (
     BuildFn,
     Progress,
@@ -328,15 +329,17 @@ class _ElasticLoop:
         return self.joined
 
     def restore(self, joined: JoinedRound) -> None:
-        began = time.monotonic()
+        began, peak = time.monotonic(), RssPeak()
         restored = self.trainer.restore(Restoring(ctx=joined.ctx, checkpoint=self.checkpoint,
                                                   sampler=self.sampler, progress=self.progress,
                                                   run_reached=self._published_step))
         self.sitting_out = restored.sitting_out
         self._restored_at, self._streamed_bytes = time.monotonic(), restored.bytes_moved
         streaming: dict[str, Any] = {"sitting_out": list(restored.sitting_out)}
+        # the RSS growth covers the restore itself; a stream's bytes land later, in a step
         self._phase("state.restored", began, source=restored.source,
-                    bytes_moved=restored.bytes_moved, **(streaming if self.sitting_out else {}))
+                    bytes_moved=restored.bytes_moved, rss_growth_bytes=peak.growth_bytes(),
+                    **(streaming if self.sitting_out else {}))
 
     def _published_step(self) -> int:
         return published_step(self.membership.registry)

@@ -74,6 +74,10 @@ two moments; 50, 400 and 1200 are what users have). Then each trial also reports
 survivors' normal step (the median gap between their steps before the fault), recovery
 and pause *beyond* it, and the bytes of state the survivors' restore moved (the
 ``bytes_moved`` of their ``state.restored`` events; "-" where the restore does not say).
+On 2 cores a step after a node loss is faster than one before (two workers share the
+cores, not three), so the survivors' step after recovery is shown too, and recovery beyond
+it. In-process trials also show the most any survivor's RSS rose above its start during
+its restore (``rss_growth_bytes``: the kernel's peak RSS, reset as the restore begins).
 
 Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
       python scripts/bench/recovery.py --cases inproc-kill inproc-join --state-mb 1200
@@ -169,6 +173,10 @@ class Trial:
     """A survivor's median step time before the fault (what no recovery can beat)."""
     bytes_moved: int | None = None
     """In-process: the bytes the survivors' restores moved in the round they resumed in."""
+    step_after_s: float | None = None
+    """A survivor's median step time after recovery (fewer workers share the cores then)."""
+    rss_growth: int | None = None
+    """In-process: the most a survivor's RSS rose above its start during its restore."""
 
 
 @dataclass(frozen=True)
@@ -317,11 +325,20 @@ class Job:
         end = min(r.time for r in self.rows if recovered(r) and r.step >= first.step + 3)
         times = sorted({r.time for r in self.rows if stamp - 1 <= r.time <= end} | {stamp})
         pause = max((b - a for a, b in zip(times, times[1:])), default=None)
+        after = [r for r in self.rows if recovered(r) and r.node != VICTIM and r.time <= end]
         return Trial(recovery_s=first.time - stamp,
                      steps_lost=max(0, last_before - (first.step - 1)), last_before=last_before,
                      resumed_from=first.step - 1, victim_rank=victim_rank, pause_s=pause,
                      reform_ms=self._reform_ms(first.round), step_s=_step_time(before),
-                     bytes_moved=self._bytes_moved(first.round))
+                     bytes_moved=self._bytes_moved(first.round), step_after_s=_step_time(after),
+                     rss_growth=self._rss_growth(first.round))
+
+    def _rss_growth(self, round_: int | None) -> int | None:
+        if not self.case.in_process:
+            return None
+        grown = [e.metadata.get("rss_growth_bytes") for e in read_events(str(self.events))
+                 if e.name == "state.restored" and e.round == round_ and e.node != VICTIM]
+        return max((g for g in grown if isinstance(g, int)), default=None)
 
     def _bytes_moved(self, round_: int | None) -> int | None:
         if not self.case.in_process:
@@ -381,6 +398,10 @@ def _step_time(rows: list[Row]) -> float | None:
     return median([b - a for a, b in zip(times, times[1:])])
 
 
+def _mb(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / 1e6
+
+
 def _beyond(value: float | None, step: float | None) -> str:
     return "-" if value is None or step is None else fmt(value - step)
 
@@ -404,7 +425,9 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
               f"{fmt(trial.steps_lost, 'd')}, longest pause {fmt(trial.pause_s)} s, "
               f"groups.reformed {fmt(trial.reform_ms, 'd')} ms, normal step "
               f"{fmt(trial.step_s)} s (recovery {_beyond(trial.recovery_s, trial.step_s)} s "
-              f"beyond it), bytes moved {fmt(trial.bytes_moved, 'd')} "
+              f"beyond it; step after it {fmt(trial.step_after_s)} s), bytes moved "
+              f"{fmt(trial.bytes_moved, 'd')}, restore's peak extra RSS "
+              f"{fmt(_mb(trial.rss_growth), '.0f')} MB "
               f"(last {trial.last_before}, resumed from "
               f"{trial.resumed_from}), victim rank {trial.victim_rank}, trial took "
               f"{time.monotonic() - began:.0f} s{'  ERROR: ' + trial.error if trial.error else ''}"
@@ -429,19 +452,22 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
         reforms = [t.reform_ms for t in ok if t.reform_ms is not None]
         step = median([t.step_s for t in ok if t.step_s is not None])
         moved = median([t.bytes_moved for t in ok if t.bytes_moved is not None])
+        after = median([t.step_after_s for t in ok if t.step_after_s is not None])
+        grown = max((t.rss_growth for t in ok if t.rss_growth is not None), default=None)
         rows.append([
             name, f"{len(ok)}/{len(trials)}", fmt(med[name]), fmt(p90(times)),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
             fmt(lost, ".0f"), fmt(median(pauses)), fmt(p90(pauses)),
             f"{fmt(median(reforms), '.0f')} / {fmt(p90(reforms), '.0f')}",
             fmt(step), _beyond(med[name], step), _beyond(median(pauses), step),
-            fmt(moved, ".0f"),
+            fmt(after), _beyond(med[name], after), fmt(moved, ".0f"), fmt(_mb(grown), ".0f"),
             ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
         ])  # fmt: skip
     return table(["case", "ok", "recovery s (median)", "p90", "min-max", "steps lost (median)",
                   "longest pause s (median)", "p90", "groups.reformed ms (median / p90)",
                   "normal step s", "recovery beyond a step", "pause beyond a step",
-                  "bytes moved (median)",
+                  "step after s", "recovery beyond the step after", "bytes moved (median)",
+                  "restore's peak extra RSS MB (max)",
                   "torchrun-default / this",
                   "torchrun-fast / this", "target"], rows)
 
