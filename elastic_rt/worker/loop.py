@@ -177,7 +177,8 @@ def run(
     sampler = ElasticSampler(len(dataset), global_batch_size=global_batch_size, seed=seed,
                              micro_batch_size=micro_batch_size)
     options = StepOptions(grad_sync=grad_sync, autocast_dtype=autocast_dtype,
-                          clip_grad_norm=clip_grad_norm)
+                          clip_grad_norm=clip_grad_norm,
+                          accumulates=micro_batch_size is not None)
     trainer = choose(build=build, step=step, limits=limits, options=options,
                      peer_copy_every=peer_copy_every)
     loop = _ElasticLoop(

@@ -57,12 +57,12 @@ class RunOptions:
                 "autocast_dtype or clip_grad_norm is set but build() owns its step (step=None)",
                 "Apply autocast and clipping inside the object's step(), or pass a step function.",
             )
-        if self.is_sharded and (self.micro_batch_size or self.autocast_dtype):
-            # FSDP needs every rank to run the same number of forwards (their all-gathers), and
-            # mixed precision is its own MixedPrecisionPolicy: neither is wired in yet.
+        if self.is_sharded and self.autocast_dtype == torch.float16:
+            # float16 needs a loss scaler whose overflow check agrees across the shards
             raise ConfigError(
-                "micro_batch_size or autocast_dtype is set with a sharded layout (max_shard > 1)",
-                "Leave both unset with max_shard > 1, or train replicated (max_shard=1).",
+                "autocast_dtype=torch.float16 with a sharded layout (max_shard > 1)",
+                "Pass autocast_dtype=torch.bfloat16 (FSDP's mixed precision, no scaler), "
+                "or train replicated (max_shard=1).",
             )
 
     @property

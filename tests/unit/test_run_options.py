@@ -15,8 +15,9 @@ from elastic_rt.worker.run_options import RunOptions
 FSDP = ModelLimits(max_shard=2)
 OWNED_AMP = ("autocast_dtype or clip_grad_norm is set but build() owns its step (step=None)",
              "Apply autocast and clipping inside the object's step(), or pass a step function.")
-SHARDED = ("micro_batch_size or autocast_dtype is set with a sharded layout (max_shard > 1)",
-           "Leave both unset with max_shard > 1, or train replicated (max_shard=1).")
+SHARDED_FP16 = ("autocast_dtype=torch.float16 with a sharded layout (max_shard > 1)",
+                "Pass autocast_dtype=torch.bfloat16 (FSDP's mixed precision, no scaler), "
+                "or train replicated (max_shard=1).")
 
 
 @pytest.mark.parametrize(("fields", "problem", "fix"), [
@@ -29,8 +30,7 @@ SHARDED = ("micro_batch_size or autocast_dtype is set with a sharded layout (max
      "Split micro-batches inside the object's step(), or pass a step function."),
     ({"is_step_owned": True, "autocast_dtype": torch.bfloat16}, *OWNED_AMP),
     ({"is_step_owned": True, "clip_grad_norm": 1.0}, *OWNED_AMP),
-    ({"limits": FSDP, "micro_batch_size": 2}, *SHARDED),
-    ({"limits": FSDP, "autocast_dtype": torch.float16}, *SHARDED),
+    ({"limits": FSDP, "autocast_dtype": torch.float16}, *SHARDED_FP16),
 ])
 def test_a_combination_that_cannot_train_is_refused_in_one_line(
         fields: dict[str, Any], problem: str, fix: str) -> None:
@@ -41,7 +41,8 @@ def test_a_combination_that_cannot_train_is_refused_in_one_line(
 
 
 def test_what_can_train_is_accepted_and_frozen() -> None:
-    sharded = RunOptions(global_batch_size=8, max_steps=0, limits=FSDP, clip_grad_norm=1.0)
+    sharded = RunOptions(global_batch_size=8, max_steps=0, limits=FSDP, clip_grad_norm=1.0,
+                         micro_batch_size=2, autocast_dtype=torch.bfloat16)
     owned = RunOptions(global_batch_size=8, max_steps=10, is_step_owned=True, limits=FSDP)
     plain = RunOptions(global_batch_size=1, max_steps=10, micro_batch_size=1,
                        autocast_dtype=torch.bfloat16)

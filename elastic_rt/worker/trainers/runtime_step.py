@@ -46,6 +46,8 @@ class StepOptions:
     """Run ``step`` under ``torch.autocast`` with this dtype; float16 adds a GradScaler."""
     clip_grad_norm: float | None = None
     """Clip the averaged gradients to this global L2 norm before the optimizer step."""
+    accumulates: bool = False
+    """A step may run several micro-batches (``micro_batch_size`` is set)."""
 
     def __post_init__(self) -> None:
         if self.autocast_dtype is not None and self.autocast_dtype not in _AUTOCAST_DTYPES:

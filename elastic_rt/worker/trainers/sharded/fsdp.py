@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from elastic_rt.worker.train_state import TrainState
@@ -51,17 +51,25 @@ class RowSpec:
         return math.prod(self.shape[1:]) * self.dtype.itemsize
 
 
-def shard_train_state(state: TrainState, mesh: DeviceMesh) -> None:
+def shard_train_state(state: TrainState, mesh: DeviceMesh, *,
+                      param_dtype: torch.dtype | None = None) -> None:
     """Shard ``state.model`` over ``mesh`` in place and re-point its optimizer.
+
+    With ``param_dtype`` (``run(autocast_dtype=torch.bfloat16)``) FSDP's own mixed
+    precision computes in that dtype: the gathered parameters and the forward's inputs
+    are cast to it, gradients are reduced in float32, and the optimizer keeps float32
+    shards (``MixedPrecisionPolicy``; torchtitan's choice, instead of autocast).
 
     The optimizer must not hold state yet (it is built, never stepped, by ``build``).
     """
     model = state.model
     names = {id(p): name for name, p in model.named_parameters()}
+    policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+              if param_dtype is not None else MixedPrecisionPolicy())
     for module in reversed(list(model.modules())):
         if module is not model and any(True for _ in module.parameters(recurse=False)):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # A plain sum (gloo has no pre-multiplied sum): losses are weighted by share.
@@ -77,18 +85,32 @@ class ShardedGradients:
 
     Same calls as ``grad_sync.GradientBuckets``; only a step's last backward reduces
     (the others accumulate, like DDP's ``no_sync``).
+
+    With ``accumulates`` (``micro_batch_size`` is set) ranks may run different numbers of
+    micro-batches in a step (the sampler splits the global batch unevenly), but FSDP's
+    collectives must match rank for rank. So the gathered parameters are kept from the
+    step's first forward to its last backward: every rank all-gathers once, in its first
+    forward, and reduce-scatters once, in its last backward, whatever its count; the
+    micro-batches between issue no collective. Costs the full parameters' memory (not
+    the gradients' or the optimizer's) during the step, as ZeRO-2 does.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, accumulates: bool = False) -> None:
         if not isinstance(model, FSDPModule):
             raise TypeError("ShardedGradients needs a model sharded by fully_shard")
         self.model: Any = model
+        self.accumulates = accumulates
+        if accumulates:
+            self.model.set_reshard_after_forward(False)
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
     def begin(self, *, is_last_backward: bool) -> None:
         self.model.set_requires_gradient_sync(is_last_backward)
+        if self.accumulates:
+            # the last backward leaves only the shards, for the optimizer and the copies
+            self.model.set_reshard_after_backward(is_last_backward)
 
     def finish(self) -> None:
         """Nothing left: FSDP's root waits for its reduce-scatters at the end of backward."""

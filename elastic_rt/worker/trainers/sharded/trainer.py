@@ -20,6 +20,7 @@ committed step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -194,11 +195,15 @@ class ShardedTrainer(TrainStateTrainer):
     def _shard(self, ctx: Context) -> None:
         assert self.state is not None
         reducer = None
+        options = self.options
         if ctx.layout.shard > 1:
             assert ctx.groups.shard_mesh is not None
-            shard_train_state(self.state, ctx.groups.shard_mesh)
-            reducer = ShardedGradients(self.state.model)
-        self.stepper = ReplicatedStep(self.state, self.step_fn, self.options)
+            # FSDP's mixed precision instead of autocast (fsdp.shard_train_state)
+            shard_train_state(self.state, ctx.groups.shard_mesh,
+                              param_dtype=options.autocast_dtype)
+            reducer = ShardedGradients(self.state.model, accumulates=options.accumulates)
+            options = dataclasses.replace(options, autocast_dtype=None)
+        self.stepper = ReplicatedStep(self.state, self.step_fn, options)
         self.stepper.bind(ctx.groups.dp, reducer)
         self._start_copies(ctx)
 
