@@ -25,6 +25,10 @@ from elastic_rt.rendezvous.rounds import Round
 
 ERROR_FILE_ENV = cfg.ERROR_FILE_ENV
 NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+USE_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""torchrun's ``--signals-to-handle`` default, which its workers inherit."""
 
 
 def round_envs(node: WorkerEnv, round_: Round, *, master: tuple[str, int],
@@ -61,13 +65,19 @@ def process_env(base: Mapping[str, str], env: WorkerEnv) -> dict[str, str]:
 
 
 def with_extras(env: Mapping[str, str], *, error_file: str, role: str) -> dict[str, str]:
-    """``env`` plus torchrun's error file, NCCL error handling and role name.
+    """``env`` plus torchrun's error file, NCCL error handling, role name and store flag.
 
-    A user's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` wins, as under torchrun.
+    A user's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` and signal list win, as under
+    torchrun. ``TORCHELASTIC_USE_AGENT_STORE`` is "False", torchrun's value when its
+    agent hosts no store: the agent here hosts none, so a script's ``env://``
+    ``init_process_group`` has rank 0 host the TCPStore at ``MASTER_PORT``; "True"
+    would make every rank a client of a server nobody started.
     """
     return {
         **env,
         ERROR_FILE_ENV: error_file,
         NCCL_ASYNC_ERROR_HANDLING_ENV: env.get(NCCL_ASYNC_ERROR_HANDLING_ENV, "1"),
         cfg.ROLE_NAME_ENV: role,
+        USE_AGENT_STORE_ENV: "False",
+        SIGNALS_TO_HANDLE_ENV: env.get(SIGNALS_TO_HANDLE_ENV, TORCHRUN_SIGNALS),
     }

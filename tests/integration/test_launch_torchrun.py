@@ -6,6 +6,7 @@ and a worker script that does not import torch, so a launch takes a few seconds.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -82,3 +83,42 @@ def test_nproc_per_node_cpu_starts_one_worker_per_usable_cpu(tmp_path: Path) -> 
     result = _launch(tmp_path, "--nproc-per-node", "cpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("RANK=") == len(os.sched_getaffinity(0))
+
+
+DUMP_ENV = """
+import json, os, sys
+with open(f"{sys.argv[1]}.{os.environ['RANK']}.json", "w") as f:
+    json.dump(dict(os.environ), f)
+"""
+OURS_ONLY = ("ELASTIC_RT_", "GRPC_", "GLOO_SOCKET_IFNAME", "PYTHONUNBUFFERED")
+# Values that name this run or this attempt, and flag defaults that differ on purpose
+# (elastic-rt's --max-restarts defaults to 3, torchrun's to 0).
+PER_RUN = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID",
+           "TORCHELASTIC_MAX_RESTARTS", "MASTER_ADDR",
+           # torchrun's agent hosts the store ("True"); ours hosts none, so rank 0 does
+           "TORCHELASTIC_USE_AGENT_STORE"}
+
+
+def test_a_worker_gets_every_variable_stock_torchrun_sets_with_its_meaning(
+        tmp_path: Path) -> None:
+    """Both launchers side by side, two workers each, from the same clean environment."""
+    (tmp_path / "dump_env.py").write_text(DUMP_ENV)
+    clean = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    for launcher, name in ((["torch.distributed.run"], "torchrun"),
+                           (["elastic_rt.cli", "launch"], "ours")):
+        subprocess.run([sys.executable, "-m", *launcher, "--standalone", "--nproc-per-node", "2",
+                        "dump_env.py", name], check=True, capture_output=True, timeout=90,
+                       env=clean, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    for rank in (0, 1):
+        theirs = json.loads((tmp_path / f"torchrun.{rank}.json").read_text())
+        ours = json.loads((tmp_path / f"ours.{rank}.json").read_text())
+        assert set(theirs) - set(ours) == set()
+        assert {k for k in set(ours) - set(theirs) if not k.startswith(OURS_ONLY)} == set()
+        differ = {k: (theirs[k], ours[k]) for k in set(theirs) - PER_RUN
+                  if theirs[k] != ours[k]}
+        assert differ == {}
+        assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert ours["MASTER_ADDR"] in ("127.0.0.1", "localhost") and ours["MASTER_PORT"].isdigit()
+        for key in ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE",
+                    "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+            assert ours[key] == theirs[key], key

@@ -121,3 +121,11 @@ def test_nccl_async_error_handling_is_torchruns_1_unless_the_user_set_it(
     # torch.distributed.elastic's local agent: os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env = with_extras(inherited, error_file="/tmp/error.json", role="trainer")
     assert env[NCCL_ASYNC_ERROR_HANDLING_ENV] == want
+
+
+def test_rank_0_hosts_the_store_and_torchruns_signal_list_is_inherited_unless_set() -> None:
+    env = with_extras({}, error_file="/tmp/error.json", role="trainer")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    mine = with_extras({"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGUSR1"}, error_file="/e", role="r")
+    assert mine["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGUSR1"
