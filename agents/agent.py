@@ -37,7 +37,7 @@ from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KVStore
 from elastic_rt.rendezvous.lease import LeaseKeeper
 from elastic_rt.rendezvous.registry import RunRegistry
-from elastic_rt.rendezvous.rounds import NodeInfo, Round
+from elastic_rt.rendezvous.rounds import NodeInfo, Round, Snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +90,30 @@ class Agent:
             self.alive.close()
             self.kv.close()
 
+    def _preview_once_etcd_answers(self) -> Snapshot:
+        """The run as etcd has it, retrying a silent etcd for ``etcd_wait``.
+
+        A node and its etcd are often started at once (one job script, one pod spec), and
+        etcd takes a moment to answer; failing at once would make the user order them.
+        """
+        wait_s = self.config.rendezvous.etcd_wait.total_seconds()
+        deadline = time.monotonic() + wait_s
+        warned = False
+        while True:
+            try:
+                return self.registry.preview()
+            except StoreConnectionError:
+                if time.monotonic() >= deadline:
+                    raise
+                if not warned:
+                    logger.warning("etcd at %s does not answer yet; retrying for up to %g s "
+                                   "(--etcd-wait)", self.config.rendezvous.endpoint, wait_s)
+                    warned = True
+                time.sleep(0.5)
+
     def _join(self) -> None:
         try:
-            snapshot = self.registry.preview()
+            snapshot = self._preview_once_etcd_answers()
             if policy.is_stale_run(snapshot):
                 self.kv.delete_prefix(self.registry.prefix)
             standby = policy.joins_in_standby(snapshot)
@@ -103,7 +124,8 @@ class Agent:
             self.registry.publish_max_restarts(self.config.max_restarts)
         except StoreConnectionError as exc:
             raise EndpointUnreachableError(
-                f"cannot reach etcd at {self.config.rendezvous.endpoint} ({exc})",
+                f"cannot reach etcd at {self.config.rendezvous.endpoint} within "
+                f"--etcd-wait {self.config.rendezvous.etcd_wait.total_seconds():g} s ({exc})",
                 "Start etcd there (elastic-rt etcd) or fix --rdzv-endpoint.",
             ) from exc
         self.events.emit("node.joined", host=self.info.host, nproc=self.info.nproc)

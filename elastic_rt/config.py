@@ -63,6 +63,7 @@ present (see :mod:`elastic_rt.accelerator`). Read by workers from the inherited 
 DEFAULT_LEASE_TTL = timedelta(seconds=5)
 DEFAULT_LAST_CALL = timedelta(seconds=1)
 DEFAULT_JOIN_TIMEOUT = timedelta(seconds=600)
+DEFAULT_ETCD_WAIT = timedelta(seconds=30)
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_MONITOR_INTERVAL = timedelta(seconds=0.1)
 DEFAULT_HANG_FACTOR = 10.0
@@ -267,6 +268,9 @@ class RendezvousConfig:
     """Once ``min_nodes`` are there, wait this long for more before forming a round."""
     join_timeout: timedelta = DEFAULT_JOIN_TIMEOUT
     """Give up when ``min_nodes`` have not joined within this time."""
+    etcd_wait: timedelta = DEFAULT_ETCD_WAIT
+    """How long a starting node retries an etcd that does not answer yet (nodes and etcd
+    are often started together, by one job script or one pod spec)."""
     auth: EtcdAuth = field(default_factory=EtcdAuth)
 
     def __post_init__(self) -> None:

@@ -67,6 +67,9 @@ def add_launch(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--join-timeout", type=flags.seconds, default=None,
                    help="seconds to wait for MIN nodes before giving up "
                         f"(default {cfg.DEFAULT_JOIN_TIMEOUT.total_seconds():g})")
+    p.add_argument("--etcd-wait", type=flags.seconds, default=None,
+                   help="seconds a starting node retries an etcd that does not answer yet "
+                        f"(default {cfg.DEFAULT_ETCD_WAIT.total_seconds():g})")
     # None: the environment decides, else the default (precedence CLI > env > default).
     p.add_argument("--hang-factor", type=float, default=None,
                    help="report ranks with no step for this many median step times, with "
@@ -208,6 +211,8 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
                                   default=cfg.DEFAULT_LAST_CALL),
         join_timeout=cfg.first_given(args.join_timeout, conf.get("join_timeout"),
                                      default=cfg.DEFAULT_JOIN_TIMEOUT),
+        etcd_wait=cfg.first_given(args.etcd_wait, conf.get("read_timeout"),
+                                  default=cfg.DEFAULT_ETCD_WAIT),
         auth=flags.auth(args, tls),
     )  # fmt: skip
     extra = {"node_id": args.node_id} if args.node_id else {}

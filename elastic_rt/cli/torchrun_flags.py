@@ -34,7 +34,8 @@ REFUSED: dict[str, tuple[bool, str]] = {
 }  # fmt: skip
 """torchrun flags recognised only to be refused, with the alternative."""
 
-RDZV_CONF_KEYS = {"join_timeout": "--join-timeout", "last_call_timeout": "--last-call"}
+RDZV_CONF_KEYS = {"join_timeout": "--join-timeout", "last_call_timeout": "--last-call",
+                  "read_timeout": "--etcd-wait"}
 """torchrun ``--rdzv-conf`` keys that mean something here, and our flag for each."""
 
 

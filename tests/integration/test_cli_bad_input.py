@@ -150,3 +150,28 @@ def test_etcd_accepts_a_port_in_time_wait(time_wait_port: int, process_tree: Pro
     assert wanted in log.read_text(), log.read_text()
     os.kill(cli.pid, signal.SIGTERM)
     assert cli.wait(timeout=15) == 0
+
+
+def test_a_node_started_before_its_etcd_waits_for_it_and_trains(
+        process_tree: ProcessTree, tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "node.log"
+    script = tmp_path / "hello.py"
+    script.write_text("import os; print('rank', os.environ['RANK'], 'trained')\n")
+    node = process_tree.elastic_rt(
+        "launch", "--rdzv-endpoint", f"etcd://127.0.0.1:{port}", "--run-id", "late-etcd",
+        "--etcd-wait", "40", str(script), env=child_env(), log=str(log))
+    wait_until(lambda: "does not answer yet" in log.read_text(), 20, "the node waiting on etcd")
+    with EtcdServer(port=port):
+        assert node.wait(timeout=40) == 0, log.read_text()[-2000:]
+    assert "rank 0 trained" in log.read_text()
+
+
+def test_an_etcd_that_never_answers_is_one_line_after_the_wait(tmp_path: Path) -> None:
+    port = free_port()
+    result = _cli("launch", "--rdzv-endpoint", f"etcd://127.0.0.1:{port}", "--run-id", "r",
+                  "--rdzv-conf", "read_timeout=1", TORCHRUN_SCRIPT, tmp=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    error = result.stderr.splitlines()[-1]
+    for name in (f"cannot reach etcd at 127.0.0.1:{port}", "--etcd-wait 1 s", "--rdzv-endpoint"):
+        assert name in error, error

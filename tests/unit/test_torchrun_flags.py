@@ -91,8 +91,9 @@ def test_rdzv_conf_sets_timeouts_and_names_the_known_keys() -> None:
         "join_timeout": timedelta(seconds=30), "last_call_timeout": timedelta(seconds=0.5),
     }  # fmt: skip
     assert flags.parse_rdzv_conf("") == {}
+    assert flags.parse_rdzv_conf("read_timeout=5") == {"read_timeout": timedelta(seconds=5)}
     with pytest.raises(ConfigError, match="join_timeout"):
-        flags.parse_rdzv_conf("read_timeout=5")
+        flags.parse_rdzv_conf("keep_alive_interval=5")
     with pytest.raises(ConfigError, match="SECONDS"):
         flags.parse_rdzv_conf("join_timeout=-1")
 
