@@ -182,7 +182,7 @@ class Agent:
                               sleep=self.inbox.sleep)
 
     def stop_workers(self, action: policy.StopWorkers) -> None:
-        self.workers.stop(action.why)
+        self.workers.stop(action.why, grace=action.grace)
 
     def publish_in_process(self, action: policy.PublishInProcess) -> None:
         self.registry.mark_in_process()

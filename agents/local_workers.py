@@ -124,12 +124,12 @@ class LocalWorkers:
     def in_process(self) -> bool:
         return acks_in_process(self.acks())
 
-    def stop(self, why: str = "") -> list[WorkerExit]:
+    def stop(self, why: str = "", *, grace: bool = True) -> list[WorkerExit]:
         """Stop every worker (thread-safe: the lease thread calls it when fencing);
-        returns how each one ended."""
+        returns how each one ended. ``grace=False``: SIGKILL at once."""
         if why and self.group.pids:
             logger.info("stopping workers: %s", why)
-        return self.group.stop()
+        return self.group.stop(grace=grace)
 
     def close(self) -> None:
         self.group.stop()

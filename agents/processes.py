@@ -118,9 +118,10 @@ class WorkerGroup:
             return WorkerState.SUCCEEDED, exits
         return WorkerState.RUNNING, exits
 
-    def stop(self) -> list[WorkerExit]:
+    def stop(self, *, grace: bool = True) -> list[WorkerExit]:
         """SIGTERM every worker's group, SIGKILL after the grace period, reap all.
 
+        ``grace=False`` skips the SIGTERM and the wait (workers whose peers are gone).
         Returns how each worker ended (empty when none ran).
         """
         with self._lock:
@@ -128,14 +129,8 @@ class WorkerGroup:
         if not procs:
             return []
         descendants = _descendants(procs)
-        for proc in procs:
-            _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_period
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        if grace:
+            self._terminate(procs)
         for proc in procs:
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -147,6 +142,17 @@ class WorkerGroup:
         logger.info("stopped workers %s", [p.pid for p in procs])
         self._join_tees()
         return [WorkerExit(i, p.pid, p.returncode) for i, p in enumerate(procs)]
+
+    def _terminate(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        """SIGTERM each group and wait up to the grace period for them to exit."""
+        for proc in procs:
+            _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_period
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
     def _join_tees(self) -> None:
         """Let tee threads copy what the workers wrote last (their pipes are at EOF now)."""

@@ -48,6 +48,10 @@ class FollowRound:
 @dataclass(frozen=True, slots=True)
 class StopWorkers:
     why: str
+    grace: bool = True
+    """SIGTERM and the grace period first. False when a peer of theirs is gone: their
+    collectives can only fail, and a framework's SIGTERM handler (Lightning's runs a
+    broadcast on the broken group) would only wait out the grace period."""
 
 
 @dataclass(frozen=True, slots=True)

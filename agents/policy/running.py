@@ -205,7 +205,9 @@ def _new_round(state: AgentState, current: Round | None, round_: Round, obs: Obs
         return Decision(state, (FollowRound(round_),))
     if current is not None:
         state = stopped(state)
-        return Decision(state, (StopWorkers(f"round {round_.number} formed"),
+        lost = set(current.members) - set(round_.members)
+        why = f"round {round_.number} formed" + (f" without {sorted(lost)}" if lost else "")
+        return Decision(state, (StopWorkers(why, grace=not lost),
                                 StartWorkers(round_, state.next_restart_count)))
     return Decision(state, (StartWorkers(round_, state.next_restart_count),))
 

@@ -149,6 +149,18 @@ def test_decide(state: AgentState, obs: Observation, actions: list[str], phase: 
     assert decision.state.phase is phase
 
 
+def test_restart_mode_workers_whose_peer_is_gone_get_no_grace_period() -> None:
+    """A framework's SIGTERM handler on a broken group can only wait out the grace."""
+    running_r2 = dataclasses.replace(RUNNING_R1, round=R2)  # a, b, c
+    shrunk = round_of("a", "c", number=3, token=80)
+    stop, _ = policy.decide(running_r2, observe(Snapshot(round=shrunk, nodes=nodes("a", "c"))),
+                            SETTINGS).actions
+    assert stop == policy.StopWorkers("round 3 formed without ['b']", grace=False)
+    grown, _ = policy.decide(RUNNING_R1, observe(Snapshot(round=R2, nodes=nodes("a", "b", "c"))),
+                             SETTINGS).actions
+    assert grown == policy.StopWorkers("round 2 formed", grace=True)  # every peer is alive
+
+
 def test_leaving_and_closing_end_with_typed_outcomes() -> None:
     leave = policy.decide(RUNNING_R1, observe(leave_signal=signal.SIGINT), SETTINGS)
     assert leave.actions == (Exit(Left(signal.SIGINT)),)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,16 @@ def test_record_writes_the_workers_exception_to_the_error_file(tmp_path: Path) -
     _run(group, code, 1)
     (error_file,) = tmp_path.glob("workers_*/attempt_0/0/error.json")
     assert "bad batch" in error_file.read_text()
+
+
+def test_stop_without_grace_kills_a_worker_that_ignores_sigterm_at_once(tmp_path: Path) -> None:
+    group = WorkerGroup(grace_period=30.0, log_dir=str(tmp_path))
+    ready = tmp_path / "ready"
+    code = ("import signal, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
+    group.start([sys.executable, "-c", code], [dict(os.environ)])
+    wait_until(ready.exists, timeout=30, what="the worker ignoring SIGTERM")
+    started = time.monotonic()
+    exits = group.stop(grace=False)
+    assert time.monotonic() - started < 10  # not the 30 s grace period
+    assert [e.exitcode for e in exits] == [-signal.SIGKILL]
