@@ -122,8 +122,9 @@ def test_missing_script(tmp_path: Path) -> None:
 
 def test_unreachable_endpoint(tmp_path: Path) -> None:
     port = free_port()
+    # --etcd-wait 0: one try (the retries are test_cli_bad_input's)
     result = _cli("launch", "--rdzv-endpoint", f"etcd://127.0.0.1:{port}", "--run-id", "unreach",
-                  TORCHRUN_SCRIPT, tmp=tmp_path)
+                  "--etcd-wait", "0", TORCHRUN_SCRIPT, tmp=tmp_path)
     _assert_one_line_error(result, f"127.0.0.1:{port}", "elastic-rt etcd", "--rdzv-endpoint")
 
 
