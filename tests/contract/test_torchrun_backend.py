@@ -7,11 +7,14 @@ forms, and that loading the entry point first causes no circular import.
 
 from __future__ import annotations
 
+import http.server
 import socket
 import subprocess
 import sys
+import threading
 import unittest
 from datetime import timedelta
+from typing import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -25,6 +28,7 @@ from elastic_rt.torchrun.endpoint import EndpointError, parse_target
 from elastic_rt.torchrun.plugin import create_handler, handler_creator
 from elastic_rt.torchrun.store import EtcdStore
 from tests.contract.torch_rendezvous_backend_mixin import RendezvousBackendTestMixin
+from tests.fixtures.tls import Pki, make_pki
 
 pytestmark = pytest.mark.etcd
 
@@ -156,3 +160,45 @@ def test_plugin_first_is_no_circular_import() -> None:
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Exception while registering" not in done.stderr
+
+
+def test_a_port_that_is_not_etcd_is_one_line(run_id: str) -> None:
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(RendezvousConnectionError) as caught:
+            create_handler(_params(endpoint, run_id, etcd_timeout="3"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert endpoint in str(caught.value) and "\n" not in str(caught.value)
+
+
+class _Quiet(http.server.BaseHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - base's name
+        return
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EtcdServer, Pki]]:
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    server = EtcdServer(
+        scheme="https",
+        extra_args=["--cert-file", pki.server_cert, "--key-file", pki.server_key,
+                    "--client-cert-auth", "--trusted-ca-file", pki.ca],
+        health_ca=pki.ca, health_cert=(pki.client_cert, pki.client_key))
+    with server:
+        yield server, pki
+
+
+def test_mutual_tls_through_rdzv_conf(tls_etcd: tuple[EtcdServer, Pki], run_id: str) -> None:
+    server, pki = tls_etcd
+    endpoint = f"https://{server.endpoint}"
+    handler = create_handler(_params(endpoint, run_id, cacert=pki.ca, cert=pki.client_cert,
+                                     key=pki.client_key))
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    handler.shutdown()
+    with pytest.raises(RendezvousConnectionError, match="client certificate"):
+        create_handler(_params(endpoint, run_id, cacert=pki.ca))
