@@ -5,6 +5,7 @@ Kept free of torch so it can be unit-tested and imported from the entry point at
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -32,11 +33,14 @@ class EtcdTarget:
     auth: EtcdAuth
 
 
-def parse_target(endpoint: str, conf: Mapping[str, object]) -> EtcdTarget:
+def parse_target(endpoint: str, conf: Mapping[str, object],
+                 env: Mapping[str, str] = os.environ) -> EtcdTarget:
     """Read ``host:port``, ``http(s)://host:port`` or a comma-separated list of them.
 
     An ``https://`` (or ``etcds://``) member, or a ``cacert``/``cert`` key, turns TLS on
-    for the whole cluster; mixing TLS and plaintext members is refused.
+    for the whole cluster; mixing TLS and plaintext members is refused. A key missing
+    from ``conf`` falls back to elastic-rt's ``ELASTIC_RT_ETCD_*`` variables, so that a
+    password need not be on torchrun's command line.
     """
     text = endpoint.strip()
     if not text:
@@ -70,7 +74,7 @@ def parse_target(endpoint: str, conf: Mapping[str, object]) -> EtcdTarget:
             f"--rdzv-endpoint {endpoint!r} mixes http:// and https:// members; "
             "one cluster speaks one of them"
         )
-    auth = _auth(conf, tls=True in schemes)
+    auth = _auth(conf, EtcdAuth.from_env(env), tls=True in schemes)
     return EtcdTarget(endpoint=",".join(members), auth=auth)
 
 
@@ -86,10 +90,11 @@ def _host_port(item: str, endpoint: str) -> str:
     return f"{host}:{int(port)}"
 
 
-def _auth(conf: Mapping[str, object], *, tls: bool) -> EtcdAuth:
+def _auth(conf: Mapping[str, object], fallback: EtcdAuth, *, tls: bool) -> EtcdAuth:
     def value(key: str) -> str | None:
         raw = conf.get(key)
-        return str(raw) if raw not in (None, "") else None
+        given = str(raw) if raw not in (None, "") else None
+        return given if given is not None else getattr(fallback, key)
 
     return EtcdAuth(
         cacert=value("cacert"),
@@ -97,5 +102,5 @@ def _auth(conf: Mapping[str, object], *, tls: bool) -> EtcdAuth:
         key=value("key"),
         user=value("user"),
         password=value("password"),
-        tls=tls,
+        tls=tls or fallback.tls,
     )

@@ -125,23 +125,29 @@ def test_a_non_etcd_scheme_is_refused() -> None:
     ("https://h1:1,https://h2:2", "h1:1,h2:2", True),
 ])
 def test_endpoint_forms(endpoint: str, expected: str, tls: bool) -> None:
-    target = parse_target(endpoint, {})
+    target = parse_target(endpoint, {}, env={})
     assert target.endpoint == expected and target.auth.is_tls == tls
 
 
 def test_rdzv_conf_maps_onto_etcd_auth() -> None:
     conf = {"cacert": "/ca.pem", "cert": "/c.pem", "key": "/k.pem", "user": "u",
             "password": "s3cret"}
-    auth = parse_target("h:1", conf).auth
+    auth = parse_target("h:1", conf, env={}).auth
     assert (auth.cacert, auth.cert, auth.key, auth.user, auth.password) == (
         "/ca.pem", "/c.pem", "/k.pem", "u", "s3cret")
     assert auth.is_tls and "s3cret" not in repr(auth)
 
 
+def test_auth_falls_back_to_elastic_rt_env() -> None:
+    env = {"ELASTIC_RT_ETCD_USER": "u", "ELASTIC_RT_ETCD_PASSWORD": "s3cret"}
+    auth = parse_target("h:1", {"user": "other"}, env=env).auth
+    assert (auth.user, auth.password, auth.is_tls) == ("other", "s3cret", False)
+
+
 @pytest.mark.parametrize("endpoint", ["", "h:notaport", "h:0", "http://a:1,https://b:2"])
 def test_bad_endpoints(endpoint: str) -> None:
     with pytest.raises(EndpointError):
-        parse_target(endpoint, {})
+        parse_target(endpoint, {}, env={})
 
 
 def test_entry_point_registers_the_creator() -> None:
