@@ -155,3 +155,18 @@ def test_missing_etcd_is_one_clear_line_and_a_failure(tmp_path: Path) -> None:
     # Ours raises `from None`: no gRPC error chained under torchrun's traceback.
     assert "RpcError" not in done.stderr and "direct cause" not in done.stderr, done.stderr
     assert elapsed < 30, elapsed
+
+
+def test_a_finished_run_id_runs_again(etcd_server: EtcdServer, run_id: str, tmp_path: Path,
+                                      process_tree: ProcessTree) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    for attempt in range(2):
+        out = tmp_path / f"out{attempt}"
+        out.mkdir()
+        log = tmp_path / f"agent{attempt}.log"
+        agent = process_tree.start(_torchrun(etcd_server.endpoint, run_id, script, out),
+                                   env=_env(), log=log)
+        wait_until(lambda: agent.poll() is not None, 45, f"run {attempt} of {run_id} ending")
+        assert agent.returncode == 0, log.read_text(errors="replace")[-3000:]
+        assert _marks(out, 1) == {f"world1.rank0.agent{agent.pid}": 5}
