@@ -18,6 +18,7 @@ import torch
 import elastic_rt as ert
 from elastic_rt.etcd_server import free_port
 from elastic_rt.layout import Layout, ModelLimits
+from tests.fixtures.fsdp_reference import train_alone
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 pytestmark = pytest.mark.slow
@@ -58,20 +59,7 @@ def _train(env: WorkerEnv, port: int, dtype: str | None) -> dict[str, Any]:
 
 
 def _reference() -> dict[str, torch.Tensor]:
-    from torch.utils.data import default_collate
-
-    from elastic_rt.sampler import ElasticSampler
-    data = _data()
-    sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, seed=0)
-    model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(STEPS):
-        x, y = default_collate([data[i] for i in sampler.global_batch()])
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        sampler.advance()
-    return {name: p.detach() for name, p in model.named_parameters()}
+    return train_alone(_model(), _data(), steps=STEPS, global_batch=GLOBAL_BATCH)
 
 
 def _joined(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
