@@ -31,6 +31,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
 SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
 STEPS = 120
+JOIN_STEPS = 400
+"""The join test's: d's standby worker (torch imported, model built) took 24 s to be admitted
+on 2 busy cores, longer than the survivors' 80 steps after the kill at 120."""
 
 
 def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, out: Path,
@@ -51,16 +54,17 @@ def test_node_kill_and_join_end_with_the_parameters_of_an_uninterrupted_run(
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
     reference = _node(process_tree, etcd_server, run_id + "-ref", reference_dir, "solo",
-                      reference_dir / "params.pt", nnodes="1")
+                      reference_dir / "params.pt", nnodes="1", steps=JOIN_STEPS)
 
     out = tmp_path / "params.pt"
-    nodes = {n: _node(process_tree, etcd_server, run_id, tmp_path, n, out) for n in "abc"}
+    nodes = {n: _node(process_tree, etcd_server, run_id, tmp_path, n, out, steps=JOIN_STEPS)
+             for n in "abc"}
     wait_until(lambda: _step(tmp_path) >= 30, 180, "step 30")
     os.killpg(nodes["c"].pid, signal.SIGKILL)
     # d joins early enough that its workers are imported (seconds on a busy box) before
     # the survivors finish
     wait_until(lambda: _step(tmp_path) >= 40, 120, "step 40 after the kill")
-    nodes["d"] = _node(process_tree, etcd_server, run_id, tmp_path, "d", out)
+    nodes["d"] = _node(process_tree, etcd_server, run_id, tmp_path, "d", out, steps=JOIN_STEPS)
     for name in "abd":
         assert nodes[name].wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     assert reference.wait(timeout=120) == 0, (reference_dir / "solo.log").read_text()[-3000:]
@@ -77,7 +81,8 @@ def test_node_kill_and_join_end_with_the_parameters_of_an_uninterrupted_run(
     for survivor in "ab":  # by node: the killed node may have been rank 0
         steps = sorted(e.step for e in log if e.name == "step.completed" and e.node == survivor
                        and e.step is not None)
-        assert steps == list(range(1, STEPS + 1)), f"{survivor} skipped a step or did one twice"
+        assert steps == list(range(1, JOIN_STEPS + 1)), \
+            f"{survivor} skipped a step or did one twice"
 
     # nothing moved to the survivors after the kill; d received what they sent, once
     restored = [e for e in log if e.name == "state.restored"]
