@@ -169,8 +169,8 @@ class Agent:
         master = self._agree_on_store(action.round)
         if master is None:
             return None
-        self.workers.start_in(action.round, master, action.restart_count)
-        return policy.WorkersStarted(action.round, action.restart_count)
+        self.workers.start_in(action.round, master, first=action.first)
+        return policy.WorkersStarted(action.round)
 
     def follow_round(self, action: policy.FollowRound) -> policy.RoundFollowed | None:
         if self._agree_on_store(action.round) is None:
@@ -196,8 +196,7 @@ class Agent:
         if action.register:
             self.keeper = self._lease_keeper()
             self.keeper.start()
-        return policy.StandbyStarted(action.round, action.restart_count,
-                                     announced=self.workers.in_process(),
+        return policy.StandbyStarted(action.round, announced=self.workers.in_process(),
                                      registered=action.register)
 
     def gather_failure(self, action: policy.HandleFailure) -> policy.FailureSeen:

@@ -47,12 +47,14 @@ class LocalWorkers:
         )  # fmt: skip
         """What every local worker's environment shares, whatever the round."""
 
-    def start_in(self, round_: Round, master: tuple[str, int], restart_count: int) -> None:
-        envs = round_envs(self._shared, round_, master=master, restart_count=restart_count)
+    def start_in(self, round_: Round, master: tuple[str, int], *, first: bool) -> None:
+        """Start the workers in ``round_``; ``restart_count`` is the job's failure count
+        (``round_.restarts``), and a start that is not this node's first is a restart."""
+        envs = round_envs(self._shared, round_, master=master, restart_count=round_.restarts)
         pids = self._start(envs)
         self.events.emit(
-            "worker.started" if restart_count == 0 else "worker.restarted", round=round_.number,
-            pids=pids, world_size=round_.world_size, restart_count=restart_count,
+            "worker.started" if first else "worker.restarted", round=round_.number,
+            pids=pids, world_size=round_.world_size, restart_count=round_.restarts,
         )  # fmt: skip
 
     def start_standby(self, restart_count: int, *, first: bool) -> None:

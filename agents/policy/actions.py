@@ -31,10 +31,12 @@ class ProposeRound:
 @dataclass(frozen=True, slots=True)
 class StartWorkers:
     """Agree on the round's store address, then start the workers in ``round``
-    (-> ``WorkersStarted``; nothing when the round has no store)."""
+    (-> ``WorkersStarted``; nothing when the round has no store). Their
+    ``TORCHELASTIC_RESTART_COUNT`` is ``round.restarts``."""
 
     round: Round
-    restart_count: int = 0
+    first: bool
+    """No workers ran on this node before (worker.started, not worker.restarted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,8 @@ class StartInStandby:
     round: Round
     """The round whose workers ours will join once admitted."""
     restart_count: int
+    """The job's failure count (see :attr:`Round.restarts`), one more than ``round``'s
+    when these workers replace failed ones."""
     first: bool
     """No workers ran on this node before (worker.started, not worker.restarted)."""
     register: bool

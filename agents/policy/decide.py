@@ -20,14 +20,13 @@ def decide(state: AgentState, obs: Observed, settings: Settings) -> Decision:
             return Decision(_fenced(state), (StopWorkers("the lease was lost"),))
         case seen.WorkersStarted():
             return Decision(dataclasses.replace(
-                state, phase=Phase.RUNNING, round=obs.round, ever_ran=True,
-                restart_count=obs.restart_count), ())  # fmt: skip
+                state, phase=Phase.RUNNING, round=obs.round, ever_ran=True), ())  # fmt: skip
         case seen.RoundFollowed():
             return Decision(dataclasses.replace(
                 state, phase=Phase.REFORMING, round=obs.round,
                 ack_deadline=obs.now + settings.reform_timeout.total_seconds()), ())  # fmt: skip
         case seen.JoiningInPlace():
-            return Decision(state, (StartInStandby(obs.round, state.restart_count,
+            return Decision(state, (StartInStandby(obs.round, obs.round.restarts,
                                                    first=not state.ever_ran, register=True),))
         case seen.StandbyStarted():
             return _standby_started(state, obs)
@@ -63,7 +62,7 @@ def _standby_started(state: AgentState, obs: seen.StandbyStarted) -> Decision:
     one, if it still lists us) then starts through FollowRound and gets its store
     published.
     """
-    state = dataclasses.replace(state, ever_ran=True, restart_count=obs.restart_count,
+    state = dataclasses.replace(state, ever_ran=True,
                                 registered=state.registered or obs.registered)
     if not obs.announced:
         return Decision(running.stopped(state),

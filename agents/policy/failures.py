@@ -117,10 +117,10 @@ def on_restart_counted(facts: FailureFacts, count: int, settings: Settings
     if facts.in_process and facts.node_id in current.members:
         # Also when a peer's alarm already restarted the round with our ranks in it: the
         # survivors would wait in it for workers we have not started.
-        without = with_ranks(current, facts.node_id, 0, why, facts.now_ms)
+        without = with_ranks(current, facts.node_id, 0, why, facts.now_ms, restarts=count)
         return ReplaceWorkers(ProposeRound(without, replaced=current), why)
     if not facts.round_changed:
-        return ProposeRound(restart_round(facts.round, why, facts.now_ms))
+        return ProposeRound(restart_round(facts.round, why, facts.now_ms, restarts=count))
     return None
 
 
@@ -197,7 +197,8 @@ def on_counted(state: AgentState, obs: RestartCounted, settings: Settings) -> De
         return _close(state, verdict)
     if isinstance(verdict, RestartInStandby):
         return Decision(stopped(state), (LeaveRound(verdict.round, verdict.why),
-                                         _standby(state, verdict.round, register=True)))
+                                         _standby(state, verdict.round, obs.count,
+                                                  register=True)))
     if isinstance(verdict, ReplaceWorkers):
         return Decision(state, (ReformWithoutUs(verdict.proposal, verdict.why),))
     return Decision(stopped(state), (verdict,) if verdict is not None else ())
@@ -210,16 +211,18 @@ def on_reform_written(state: AgentState, obs: ReformWritten, settings: Settings)
     current, me = obs.current, settings.node_id
     if (current is not None and me in current.members
             and current.nprocs[current.group_rank(me)] > 0):
-        without = with_ranks(current, me, 0, obs.why, obs.now_ms)
+        without = with_ranks(current, me, 0, obs.why, obs.now_ms,
+                             restarts=obs.proposed.restarts)
         actions.append(ProposeRound(without, replaced=current))
-    actions.append(_standby(state, obs.proposed, register=False))
+    actions.append(_standby(state, obs.proposed, obs.proposed.restarts, register=False))
     return Decision(stopped(state), tuple(actions))
 
 
-def _standby(state: AgentState, round_: Round, *, register: bool) -> StartInStandby:
-    """The failed workers' replacements, started outside any round."""
-    return StartInStandby(round_, state.restart_count + 1, first=not state.ever_ran,
-                          register=register)
+def _standby(state: AgentState, round_: Round, restarts: int, *, register: bool
+             ) -> StartInStandby:
+    """The failed workers' replacements, started outside any round, with the job's
+    failure count ``restarts`` (this failure included)."""
+    return StartInStandby(round_, restarts, first=not state.ever_ran, register=register)
 
 
 # root causes -------------------------------------------------------------------------------

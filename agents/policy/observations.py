@@ -48,7 +48,6 @@ class WorkersStarted:
     """The round's store was agreed and the workers started in ``round``."""
 
     round: Round
-    restart_count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +71,6 @@ class StandbyStarted:
     """Workers started outside any round, and had time to announce themselves."""
 
     round: Round
-    restart_count: int
     announced: bool
     """Every worker announced in-process recovery in time."""
     registered: bool

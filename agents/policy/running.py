@@ -115,7 +115,7 @@ def _rejoin(state: AgentState, snapshot: Snapshot) -> tuple[Action, ...]:
     job ends, register, and the next round that lists us starts our workers."""
     if snapshot.round is None or not joins_in_standby(snapshot):
         return (Register(),)
-    return (RevokeLostLease(), StartInStandby(snapshot.round, state.restart_count + 1,
+    return (RevokeLostLease(), StartInStandby(snapshot.round, snapshot.round.restarts,
                                               first=not state.ever_ran, register=True))
 
 
@@ -138,11 +138,13 @@ def _grow_back(state: AgentState, round_: Round, obs: Observation, settings: Set
                                    obs.now_ms))
 
 
-def with_ranks(round_: Round, node_id: str, nproc: int, reason: str, now_ms: int) -> Propose:
-    """The same members in a new round, with ``node_id`` contributing ``nproc`` ranks."""
+def with_ranks(round_: Round, node_id: str, nproc: int, reason: str, now_ms: int, *,
+               restarts: int | None = None) -> Propose:
+    """The same members in a new round, with ``node_id`` contributing ``nproc`` ranks
+    (``restarts``: as :func:`~elastic_rt.rendezvous.rounds.restart_round`)."""
     nprocs = list(round_.nprocs)
     nprocs[round_.group_rank(node_id)] = nproc
-    proposal = restart_round(round_, reason, now_ms)
+    proposal = restart_round(round_, reason, now_ms, restarts=restarts)
     return dataclasses.replace(proposal,
                                round=dataclasses.replace(proposal.round, nprocs=tuple(nprocs)))
 
@@ -208,8 +210,8 @@ def _new_round(state: AgentState, current: Round | None, round_: Round, obs: Obs
         lost = set(current.members) - set(round_.members)
         why = f"round {round_.number} formed" + (f" without {sorted(lost)}" if lost else "")
         return Decision(state, (StopWorkers(why, grace=not lost),
-                                StartWorkers(round_, state.next_restart_count)))
-    return Decision(state, (StartWorkers(round_, state.next_restart_count),))
+                                StartWorkers(round_, first=False)))
+    return Decision(state, (StartWorkers(round_, first=not state.ever_ran),))
 
 
 def finished_without_us(state: AgentState, snapshot: Snapshot, obs: Observation, me: str

@@ -46,8 +46,6 @@ class AgentState:
     round: Round | None = None
     ack_deadline: float = 0.0
     """Monotonic time by which REFORMING workers must acknowledge ``round``."""
-    restart_count: int = 0
-    """Times this node started its workers again (torchrun's restart count)."""
     ever_ran: bool = False
     quorum_since: float | None = None
     """When the first round's last call started (see :func:`rounds.decide`)."""
@@ -63,11 +61,6 @@ class AgentState:
     def running(self) -> Round | None:
         """The round this node's workers belong to (or wait for, in standby)."""
         return self.round if self.phase in _WITH_WORKERS else None
-
-    @property
-    def next_restart_count(self) -> int:
-        """The restart count of workers started afresh now: a restart unless the first."""
-        return self.restart_count + (1 if self.ever_ran else 0)
 
 
 _WITH_WORKERS = (Phase.RUNNING, Phase.REFORMING, Phase.STANDBY)

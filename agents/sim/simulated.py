@@ -181,7 +181,7 @@ class SimulatedNode(Workerless):
     def start_workers(self, action: policy.StartWorkers) -> policy.WorkersStarted:
         """Starting workers only records the round."""
         self._record(action.round)
-        return policy.WorkersStarted(action.round, action.restart_count)
+        return policy.WorkersStarted(action.round)
 
     def follow_round(self, action: policy.FollowRound) -> policy.RoundFollowed:
         self._record(action.round)

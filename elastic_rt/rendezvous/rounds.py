@@ -78,6 +78,15 @@ class Round:
     hosts: tuple[str, ...]
     reason: str = ""
     created_ms: int = 0
+    restarts: int = 0
+    """Worker failures the job had counted when this round formed: its workers'
+    ``TORCHELASTIC_RESTART_COUNT``. Set by the round that restarts the job after a
+    failure (:func:`restart_round`); every other round carries its predecessor's, so a
+    membership change keeps it, as torchrun's count ignores nodes joining or leaving.
+
+    Note: a node stepping out to replace a failed in-process worker leaves the
+    survivors to re-form without it, in a round that carries the count from before;
+    workers that recover in place read their environment once, at start."""
     token: int = 0
     """mod_revision of the round key as read; not stored in the value itself."""
 
@@ -101,6 +110,7 @@ class Round:
                 "hosts": list(self.hosts),
                 "reason": self.reason,
                 "created_ms": self.created_ms,
+                "restarts": self.restarts,
             }
         ).encode()
 
@@ -114,6 +124,7 @@ class Round:
             hosts=tuple(data["hosts"]),
             reason=str(data.get("reason", "")),
             created_ms=int(data.get("created_ms", 0)),
+            restarts=int(data.get("restarts", 0)),
             token=token,
         )
 
@@ -214,13 +225,15 @@ def decide(
         if paused:
             return Wait(f"paused: {short}", stop_workers=i_am_member)
         return Propose(_make_round(current.number + 1, members, snapshot.nodes,
-                                   f"paused: {short}", now_ms), expected_token=current.token)
+                                   f"paused: {short}", now_ms, restarts=current.restarts),
+                       expected_token=current.token)
     admitting = ",".join(n.node_id for n in waiting)
     reason = f"lost {','.join(lost)}" if lost else f"admitting {admitting}"
     if paused:
         reason = f"resumed with {len(members)} nodes"
     return Propose(
-        _make_round(current.number + 1, members, snapshot.nodes, reason, now_ms),
+        _make_round(current.number + 1, members, snapshot.nodes, reason, now_ms,
+                    restarts=current.restarts),
         expected_token=current.token,
     )
 
@@ -279,7 +292,8 @@ def next_members(
 
 
 def _make_round(
-    number: int, members: tuple[str, ...], nodes: Mapping[str, NodeInfo], reason: str, now_ms: int
+    number: int, members: tuple[str, ...], nodes: Mapping[str, NodeInfo], reason: str, now_ms: int,
+    *, restarts: int = 0
 ) -> Round:
     return Round(
         number=number,
@@ -288,11 +302,17 @@ def _make_round(
         hosts=tuple(nodes[m].host for m in members),
         reason=reason,
         created_ms=now_ms,
+        restarts=restarts,
     )
 
 
-def restart_round(current: Round, reason: str, now_ms: int) -> Propose:
-    """The same members in a new round: how a worker failure restarts every node."""
+def restart_round(current: Round, reason: str, now_ms: int, *, restarts: int | None = None
+                  ) -> Propose:
+    """The same members in a new round: how a worker failure restarts every node.
+
+    ``restarts``: the job's failure count after the one that restarts it; None keeps
+    ``current``'s (a re-form or a rejoin restarts workers without a failure counted).
+    """
     return Propose(
         Round(
             number=current.number + 1,
@@ -301,6 +321,7 @@ def restart_round(current: Round, reason: str, now_ms: int) -> Propose:
             hosts=current.hosts,
             reason=reason,
             created_ms=now_ms,
+            restarts=current.restarts if restarts is None else restarts,
         ),
         expected_token=current.token,
     )

@@ -63,7 +63,8 @@ def test_a_deterministic_error_is_retried_once_then_ends_the_job_with_its_root_c
     assert output.count("Root Cause (first observed failure)") == 2  # once per attempt
     assert "rank      : 1 (round 1)" in output and "in check_config" in output
     restarted = [e for e in events(tmp_path / "events.jsonl") if e.name == "worker.restarted"]
-    assert len(restarted) == 1
+    # a failure restart: torchrun's meaning of TORCHELASTIC_RESTART_COUNT
+    assert [e.metadata["restart_count"] for e in restarted] == [1]
     status = _status(etcd_server.endpoint, run_id)
     assert "not retried again" in status["state"]
     assert "rank 1 on 127.0.0.1 (a): ValueError: bad config" in status["state"]

@@ -189,14 +189,13 @@ def test_last_call_start_is_kept_in_the_state() -> None:
 
 def test_starting_and_following_move_the_state() -> None:
     start = policy.decide(AgentState(), observe(workers=WorkerState.IDLE), SETTINGS)
-    assert start.actions == (policy.StartWorkers(R1, restart_count=0),)
-    first = after(start.state, policy.WorkersStarted(R1, restart_count=0))
-    assert (first.phase, first.round, first.restart_count) == (Phase.RUNNING, R1, 0)
+    assert start.actions == (policy.StartWorkers(R1, first=True),)
+    first = after(start.state, policy.WorkersStarted(R1))
+    assert (first.phase, first.round) == (Phase.RUNNING, R1)
     restart = policy.decide(first, observe(Snapshot(round=R2, nodes=nodes("a", "b", "c"))),
                             SETTINGS)
-    assert restart.actions[-1] == policy.StartWorkers(R2, restart_count=1)
-    again = after(restart.state, policy.WorkersStarted(R2, restart_count=1))
-    assert again.restart_count == 1  # torchrun's restart count
+    assert restart.actions[-1] == policy.StartWorkers(R2, first=False)
+    assert after(restart.state, policy.WorkersStarted(R2)).round == R2
     follow = following(first, R2)
     assert (follow.phase, follow.round, follow.ack_deadline) == (Phase.REFORMING, R2, NOW + 30)
 
@@ -235,7 +234,7 @@ def test_a_fenced_node_asks_for_a_restart_round_when_its_round_still_stands() ->
     assert decision.state.phase is Phase.IDLE
     moved_on = policy.decide(fenced, observe(Snapshot(round=R2, nodes=nodes("a", "b", "c")),
                                              WorkerState.IDLE), SETTINGS)
-    assert moved_on.actions == (policy.StartWorkers(R2, restart_count=1),)
+    assert moved_on.actions == (policy.StartWorkers(R2, first=False),)
 
 
 FENCED_R1 = after(RUNNING_R1, policy.Fenced())
@@ -243,7 +242,7 @@ FENCED_R1 = after(RUNNING_R1, policy.Fenced())
 
 def rejoin_in_standby(round_: Round) -> tuple[policy.Action, ...]:
     return (policy.RevokeLostLease(),
-            policy.StartInStandby(round_, restart_count=1, first=False, register=True))
+            policy.StartInStandby(round_, restart_count=0, first=False, register=True))
 
 
 @pytest.mark.parametrize(("snapshot", "actions"), [
@@ -486,30 +485,27 @@ FOLLOWING_R2 = dataclasses.replace(RUNNING_R1, phase=Phase.REFORMING, round=R2,
                                    ack_deadline=NOW + 30)
 TRANSITIONS = [
     # (name, state, observation, actions, state after)
-    ("workers started: running, first start", AgentState(), policy.WorkersStarted(R1, 0), (),
+    ("workers started: running, first start", AgentState(), policy.WorkersStarted(R1), (),
      RUNNING_R1),
-    ("workers started again: the restart is counted", dataclasses.replace(RUNNING_R1, round=None,
-                                                                          phase=Phase.IDLE),
-     policy.WorkersStarted(R2, 1), (),
-     dataclasses.replace(RUNNING_R1, round=R2, restart_count=1)),
+    ("workers started again", dataclasses.replace(RUNNING_R1, round=None, phase=Phase.IDLE),
+     policy.WorkersStarted(R2), (), dataclasses.replace(RUNNING_R1, round=R2)),
     ("store agreed for a re-form: follow until the ack deadline", RUNNING_R1,
      policy.RoundFollowed(R2, now=NOW), (), FOLLOWING_R2),
     ("joining in place: standby workers first", AgentState(), policy.JoiningInPlace(R1),
      (policy.StartInStandby(R1, restart_count=0, first=True, register=True),), AgentState()),
     ("standby workers announced: wait to be admitted", AgentState(),
-     policy.StandbyStarted(R1, 0, announced=True, registered=True), (),
+     policy.StandbyStarted(R1, announced=True, registered=True), (),
      AgentState(phase=Phase.STANDBY, round=STANDBY_R1, ever_ran=True)),
     ("standby workers replacing failed ones: a restart", dataclasses.replace(
         FENCED_R1, phase=Phase.IDLE, round=None),
-     policy.StandbyStarted(R1, 1, announced=True, registered=True), (),
-     dataclasses.replace(FENCED_R1, phase=Phase.STANDBY, round=STANDBY_R1, restart_count=1,
-                         registered=True)),
+     policy.StandbyStarted(R1, announced=True, registered=True), (),
+     dataclasses.replace(FENCED_R1, phase=Phase.STANDBY, round=STANDBY_R1, registered=True)),
     ("standby workers too slow: stopped, join the normal way", AgentState(),
-     policy.StandbyStarted(R1, 0, announced=False, registered=True),
+     policy.StandbyStarted(R1, announced=False, registered=True),
      (policy.StopWorkers("standby workers did not start in time"),), AgentState(ever_ran=True)),
     ("standby under the kept lease: still unregistered if fenced", FENCED_R1,
-     policy.StandbyStarted(R1, 1, announced=True, registered=False), (),
-     dataclasses.replace(FENCED_R1, phase=Phase.STANDBY, round=STANDBY_R1, restart_count=1)),
+     policy.StandbyStarted(R1, announced=True, registered=False), (),
+     dataclasses.replace(FENCED_R1, phase=Phase.STANDBY, round=STANDBY_R1)),
     ("fenced: stop the workers, remember the round", RUNNING_R1, policy.Fenced(),
      (policy.StopWorkers("the lease was lost"),),
      dataclasses.replace(RUNNING_R1, phase=Phase.FENCED, registered=False)),
@@ -627,6 +623,57 @@ def test_replacements_started_in_standby_keep_the_lease_and_count_a_restart() ->
     proposal = again.actions[0]
     assert isinstance(proposal, policy.ProposeRound)
     assert proposal.proposal.round.nprocs == (0, 1) and proposal.proposal.expected_token == 55
+
+
+# TORCHELASTIC_RESTART_COUNT: the job's failure count, carried by its rounds ---------------
+def restart_counts(decision: policy.Decision) -> list[int]:
+    """The failure count each round proposed, or workers started, by ``decision`` carry."""
+    counts = []
+    for action in decision.actions:
+        match action:
+            case policy.ProposeRound():
+                counts.append(action.proposal.round.restarts)
+            case policy.ReformWithoutUs():
+                counts.append(action.proposal.proposal.round.restarts)
+            case policy.StartWorkers():
+                counts.append(action.round.restarts)
+            case policy.StartInStandby():
+                counts.append(action.restart_count)
+    return counts
+
+
+ABC_1 = dataclasses.replace(round_of("a", "b", "c"), restarts=1)
+"""Three members; the job counted one worker failure before this round."""
+R1_1 = dataclasses.replace(R1, restarts=1)
+RESTART_COUNTS = [
+    # (name, state, observation, failure counts carried)
+    ("a node lost: the next round keeps the count", dataclasses.replace(RUNNING_R1, round=ABC_1),
+     observe(Snapshot(round=ABC_1, nodes=nodes("a", "b"))), [1]),
+    ("a node admitted: kept", dataclasses.replace(RUNNING_R1, round=R1_1),
+     observe(Snapshot(round=R1_1, nodes=nodes("a", "b", "c"))), [1]),
+    ("restart-mode workers started in a new round: its count",
+     dataclasses.replace(RUNNING_R1, round=ABC_1),
+     observe(Snapshot(round=dataclasses.replace(R2, restarts=1), nodes=nodes("a", "b", "c"))),
+     [1]),
+    ("a fenced node's rejoin round: kept", dataclasses.replace(FENCED_R1, round=R1_1,
+                                                               registered=True),
+     observe(Snapshot(round=R1_1, nodes=nodes("a", "b")), WorkerState.IDLE), [1]),
+    ("a collective failed, every peer answers: the re-form keeps it",
+     dataclasses.replace(RUNNING_R1, round=R1_1), policy.PeersProbed(R1_1, (), (), LOOK), [1]),
+    ("a worker failure counted as the job's second: the restart round says 2", SETTLING_R1,
+     policy.RestartCounted(2), [2]),
+    ("in place above min: the replacements start with it", SETTLING_3,
+     policy.RestartCounted(2), [2]),
+    ("in place at min: the round without our ranks says it", SETTLING_IN_PLACE,
+     policy.RestartCounted(2), [2]),
+]
+
+
+@pytest.mark.parametrize(("state", "obs", "counts"), [case[1:] for case in RESTART_COUNTS],
+                         ids=[case[0] for case in RESTART_COUNTS])
+def test_a_membership_change_keeps_the_restart_count_and_a_worker_failure_increments_it(
+        state: AgentState, obs: policy.Observed, counts: list[int]) -> None:
+    assert restart_counts(policy.decide(state, obs, SETTINGS)) == counts
 
 
 @pytest.mark.parametrize(("dead", "unsure", "workers", "actions"), [

@@ -56,15 +56,14 @@ def test_a_result_is_decided_on_before_the_rest_of_the_decision_runs() -> None:
     # result moves the state), in that order.
     state = AgentState(phase=Phase.RUNNING, round=R1, ever_ran=True)
     r2 = Round(number=2, members=("a", "b"), nprocs=(1, 1), hosts=("h-a", "h-b"), token=60)
-    hands = Recorder(start_workers=lambda a: policy.WorkersStarted(a.round, a.restart_count))
+    hands = Recorder(start_workers=lambda a: policy.WorkersStarted(a.round))
     driver = Driver(SETTINGS)
     driver.state = state
     look = Observation(now=1.0, snapshot=Snapshot(round=r2, nodes=NODES),
                        workers=WorkerState.RUNNING)
     assert carry_out(hands, driver, look) is None  # type: ignore[arg-type]
     assert [name for name, _ in hands.calls] == ["stop_workers", "start_workers"]
-    assert (driver.state.phase, driver.state.round, driver.state.restart_count) == (
-        Phase.RUNNING, r2, 1)
+    assert (driver.state.phase, driver.state.round) == (Phase.RUNNING, r2)
 
 
 def test_nothing_more_is_carried_out_once_the_node_exited() -> None:

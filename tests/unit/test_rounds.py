@@ -267,9 +267,21 @@ def test_restart_round_keeps_members_and_bumps_the_number() -> None:
     assert proposal.round.created_ms == 123
 
 
+def test_only_a_counted_failure_changes_the_restart_count_rounds_carry(clock: FakeClock) -> None:
+    current = dataclasses.replace(round_of("a", "b", "c"), restarts=2)
+    assert restart_round(current, "re-form", now_ms=1).round.restarts == 2
+    assert restart_round(current, "worker failed", now_ms=1, restarts=3).round.restarts == 3
+    lost = decide_at(clock, Snapshot(round=current, nodes=nodes("a", "b")), "a")
+    admitting = decide_at(clock, Snapshot(round=current, nodes=nodes("a", "b", "c", "d")), "a")
+    assert isinstance(lost, Propose) and isinstance(admitting, Propose)
+    assert (lost.round.restarts, admitting.round.restarts) == (2, 2)
+
+
 def test_round_and_node_records_round_trip_through_json() -> None:
-    current = round_of("a", "b", number=5, token=0)
+    current = dataclasses.replace(round_of("a", "b", number=5, token=0), restarts=2)
     assert Round.from_json(current.to_json(), token=8) == dataclasses.replace(current, token=8)
+    written_before_the_count = b'{"number": 1, "members": ["a"], "nprocs": [1], "hosts": ["h"]}'
+    assert Round.from_json(written_before_the_count).restarts == 0
     info = NodeInfo(node_id="a", host="h", nproc=2, alive_addr="127.0.0.1:9")
     assert NodeInfo.from_json(info.to_json(), joined_revision=3, lease=4) == NodeInfo(
         node_id="a", host="h", nproc=2, alive_addr="127.0.0.1:9", joined_revision=3, lease=4
