@@ -313,6 +313,8 @@ class WorkerEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     restart_count: int = 0
+    """Worker failures the job has restarted after (torchrun's ``TORCHELASTIC_RESTART_COUNT``;
+    nodes lost or joining do not count). Job-wide, like ``max_restarts``."""
     max_restarts: int = 0
     node_id: str = ""
     run_id: str = ""
