@@ -27,6 +27,7 @@ from agents.dispatch import Driver, Exited, carry_out
 from agents.heartbeat import Heartbeat
 from agents.inbox import Inbox
 from agents.local_workers import LocalWorkers
+from agents.metrics import MetricsServer, NodeMetrics
 from agents.policy import AgentState, Observation
 from agents.round_io import agree_on_store, propose_round, report_root_cause
 from agents.run_watch import RunWatch
@@ -63,6 +64,9 @@ class Agent:
         self.heartbeat = Heartbeat(self.registry, config.node_id, config.heartbeat, self.events,
                                    on_evicted=self.inbox.changed)
         self.driver = Driver(self.settings)
+        self.metrics = (NodeMetrics(rdzv.run_id, config.node_id, max_restarts=config.max_restarts)
+                        if config.metrics_port is not None else None)
+        self._metrics_server: MetricsServer | None = None
         self._started = self._last_wait_report = 0.0
 
     # entry point ---------------------------------------------------------------
@@ -75,6 +79,10 @@ class Agent:
         """
         self.inbox.leave_on_signals()
         self._started = time.monotonic()
+        if self.metrics is not None and self.config.metrics_port is not None:
+            self._metrics_server = MetricsServer(self.metrics, self.config.events_file or "",
+                                                 port=self.config.metrics_port,
+                                                 host=self.config.host)
         self.heartbeat.start()
         try:
             self._join()
@@ -88,6 +96,8 @@ class Agent:
             self.workers.close()
             self.keeper.stop(revoke=True)
             self.alive.close()
+            if self._metrics_server is not None:
+                self._metrics_server.close()
             self.kv.close()
 
     def _preview_once_etcd_answers(self) -> Snapshot:
@@ -144,7 +154,11 @@ class Agent:
     def _step(self) -> int | None:
         if self.inbox.take_fenced():
             carry_out(self, self.driver, policy.Fenced())  # stops the workers again
-        code = carry_out(self, self.driver, self._observe())
+        observation = self._observe()
+        if self.metrics is not None and observation.snapshot is not None \
+                and observation.snapshot.round is not None:
+            self.metrics.saw_round(observation.snapshot.round)
+        code = carry_out(self, self.driver, observation)
         self.heartbeat.watch(self.state.running)  # a hung peer is evicted in under a second
         return code
 

@@ -36,6 +36,8 @@ class AgentConfig:
     host: str = "127.0.0.1"
     """Address other nodes reach this one's workers at (MASTER_ADDR when it is rank 0)."""
     events_file: str | None = None
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (see agents.metrics); None: no endpoint."""
     grace_period: timedelta = timedelta(seconds=3)
     """SIGTERM to SIGKILL when stopping workers."""
     store_wait: timedelta = timedelta(seconds=30)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import socket
 
 from agents.agent import Agent
 from agents.config import AgentConfig
+from elastic_rt.childproc import owned_temp_dir
 from elastic_rt.etcd_server import EtcdServer
 
 logger = logging.getLogger(__name__)
@@ -37,11 +39,17 @@ def launch_node(config: AgentConfig, *, etcd_port: int | None = None,
         os.makedirs(config.output.log_dir, exist_ok=True)
     set_omp_threads(config.nproc_per_node)
     server = None if config.rendezvous.endpoint else EtcdServer(port=etcd_port).start()
+    events_dir = None
     try:
         if server is not None:
             rendezvous = dataclasses.replace(config.rendezvous, endpoint=server.endpoint)
             config = dataclasses.replace(config, rendezvous=rendezvous)
             logger.info("private etcd at etcd://%s", server.endpoint)
+        if config.metrics_port is not None and not config.events_file:
+            # The metrics are a fold over the events: they need a file even unasked.
+            events_dir = owned_temp_dir("elastic-rt-events-")
+            config = dataclasses.replace(config, events_file=os.path.join(events_dir,
+                                                                          "events.jsonl"))
         host = local_addr or reachable_host(config.rendezvous.endpoint)
         if host == "127.0.0.1":
             # Keep gloo on loopback too, whatever the host name resolves to.
@@ -50,6 +58,8 @@ def launch_node(config: AgentConfig, *, etcd_port: int | None = None,
     finally:
         if server is not None:
             server.stop()
+        if events_dir is not None:
+            shutil.rmtree(events_dir, ignore_errors=True)
 
 
 def reachable_host(endpoint: str) -> str:

@@ -10,7 +10,7 @@ venv=.venv
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c "import torch, elastic_rt, pytest, s3fs, moto, mypy, flake8, lightning, accelerate" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import torch, elastic_rt, pytest, s3fs, moto, mypy, flake8, lightning, accelerate, prometheus_client" 2>/dev/null; then
     "$venv/bin/pip" install --quiet --upgrade pip
     # The CPU build of torch; a plain "torch" would pull gigabytes of CUDA.
     "$venv/bin/pip" install --quiet torch==2.13.0

@@ -236,6 +236,7 @@ class Checkpointer:
             CorruptShardError: a file is missing or damaged (every candidate, or ``name``).
             CheckpointMismatchError: the checkpoint does not fit ``state``.
         """
+        started = time.monotonic()
         self._drain_for_load()
         group = self._side_group(process_group)
         flat, local = coord.agree(lambda: (flatten(state), self._candidates(name, group)), group,
@@ -262,7 +263,8 @@ class Checkpointer:
                 continue  # no manifest: a save that never committed, not a checkpoint
             self._generation = max(self._generation, info.generation)
             self._emit("checkpoint.restored", info.step, self._round_of(), checkpoint=info.name,
-                       fallback_from=failed)
+                       fallback_from=failed, nbytes=info.nbytes,
+                       duration_ms=round((time.monotonic() - started) * 1000, 1))
             return info
         if last_error is not None:
             raise last_error  # every committed checkpoint is damaged; this is the oldest

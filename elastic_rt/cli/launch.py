@@ -81,6 +81,8 @@ def add_launch(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "(default 127.0.0.1 for a loopback endpoint)")
     p.add_argument("--etcd-port", type=torchrun_flags.port, default=None,
                    help="client port of the private etcd")
+    p.add_argument("--metrics-port", type=torchrun_flags.port, default=None,
+                   help="serve Prometheus metrics at http://LOCAL_ADDR:PORT/metrics (off: none)")
     p.add_argument("--events-file", default=os.environ.get(cfg.EVENTS_FILE_ENV),
                    help="append JSON-lines events here")
     flags.add_etcd_auth(p)
@@ -183,6 +185,7 @@ def launch(args: argparse.Namespace) -> int:
     """Run this node's agent until the job ends; its exit code."""
     from agents.launch import launch_node
 
+    _check_metrics_port(args.metrics_port)
     return launch_node(agent_config(args), etcd_port=_free_etcd_port(args),
                        local_addr=args.local_addr)
 
@@ -226,6 +229,7 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
         heartbeat=cfg.HeartbeatConfig.from_env(os.environ),
         grace_period=args.shutdown_timeout,
         events_file=args.events_file,
+        metrics_port=args.metrics_port,
         output=_output(args),
         **extra,
     )
@@ -241,6 +245,16 @@ def _free_etcd_port(args: argparse.Namespace) -> int | None:
             raise ConfigError(f"--etcd-port {port} is already in use on 127.0.0.1",
                               "Pick another --etcd-port, or leave it out to get a free one.")
     return port
+
+
+def _check_metrics_port(port: int | None) -> None:
+    """Before anything starts: a taken port would otherwise fail after etcd and the rendezvous."""
+    if port is not None:
+        from elastic_rt.etcd_server import is_port_free
+
+        if not is_port_free(port):
+            raise ConfigError(f"--metrics-port {port} is already in use on 127.0.0.1",
+                              "Pick another --metrics-port, or leave it out.")
 
 
 def _hang_factor(flag: float | None) -> float:

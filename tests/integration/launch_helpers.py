@@ -21,6 +21,19 @@ def launch_args(endpoint: str, run_id: str, nnodes: str, events: Path, *, node_i
     ]  # fmt: skip
 
 
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """A Prometheus endpoint's samples as {(name, cause or source label): value}."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, s.labels.get("cause", s.labels.get("source", ""))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if "le" not in s.labels}
+
+
 def progress(path: Path) -> list[dict]:
     if not path.exists():
         return []

@@ -25,7 +25,7 @@ from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import NodeInfo, Round
 from tests.fixtures.processes import ProcessTree
-from tests.integration.launch_helpers import events, launch_args
+from tests.integration.launch_helpers import events, launch_args, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
@@ -37,8 +37,9 @@ on 2 busy cores, longer than the survivors' 80 steps after the kill at 120."""
 
 
 def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, out: Path,
-          nnodes: str = "2:4", steps: int = STEPS):
-    args = launch_args(etcd_server.endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name)
+          nnodes: str = "2:4", steps: int = STEPS, extra: tuple[str, ...] = ()):
+    args = launch_args(etcd_server.endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name,
+                       extra=extra)
     script = [SCRIPT, "--steps", str(steps), "--out", str(out), "--step-time", "0.05"]
     return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
 
@@ -57,10 +58,17 @@ def test_node_kill_and_join_end_with_the_parameters_of_an_uninterrupted_run(
                       reference_dir / "params.pt", nnodes="1", steps=JOIN_STEPS)
 
     out = tmp_path / "params.pt"
-    nodes = {n: _node(process_tree, etcd_server, run_id, tmp_path, n, out, steps=JOIN_STEPS)
+    metrics_port = free_port()
+    nodes = {n: _node(process_tree, etcd_server, run_id, tmp_path, n, out, steps=JOIN_STEPS,
+                      extra=("--metrics-port", str(metrics_port)) if n == "a" else ())
              for n in "abc"}
     wait_until(lambda: _step(tmp_path) >= 30, 180, "step 30")
+    before = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
     os.killpg(nodes["c"].pid, signal.SIGKILL)
+    # a's endpoint, read back over loopback: the kill is a recovery with its downtime
+    wait_until(lambda: scrape(f"http://127.0.0.1:{metrics_port}/metrics").get(
+        ("elastic_rt_recoveries_total", "node_lost"), 0) >= 1, 60, "a's metrics show the kill")
+    after = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
     # d joins early enough that its workers are imported (seconds on a busy box) before
     # the survivors finish
     wait_until(lambda: _step(tmp_path) >= 40, 120, "step 40 after the kill")
@@ -68,6 +76,16 @@ def test_node_kill_and_join_end_with_the_parameters_of_an_uninterrupted_run(
     for name in "abd":
         assert nodes[name].wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     assert reference.wait(timeout=120) == 0, (reference_dir / "solo.log").read_text()[-3000:]
+
+    assert before[("elastic_rt_members", "")] == 3 and after[("elastic_rt_members", "")] == 2
+    assert after[("elastic_rt_rounds_total", "")] == before[("elastic_rt_rounds_total", "")] + 1
+    assert after[("elastic_rt_recovery_downtime_seconds_count", "node_lost")] == 1
+    assert 0 < after[("elastic_rt_recovery_downtime_seconds_sum", "node_lost")] < 30
+    assert after[("elastic_rt_steps_completed_total", "")] > before[
+        ("elastic_rt_steps_completed_total", "")] > 0  # the endpoint lags the events by a poll
+    assert after[("elastic_rt_steps_redone_total", "")] == 0
+    assert after[("elastic_rt_state_restores_total", "kept")] == 1
+    assert after[("elastic_rt_restarts_left", "")] == 3  # a node loss spends no restart
 
     got, want = torch.load(out), torch.load(reference_dir / "params.pt")
     for key in want:
