@@ -49,6 +49,7 @@ def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     from elastic_rt.torchrun.backend import EtcdV3RendezvousBackend
     from elastic_rt.torchrun.endpoint import EndpointError, parse_target
     from elastic_rt.torchrun.generation import open_generation
+    from elastic_rt.torchrun.handler import FreshStoreAddressHandler
     from elastic_rt.torchrun.store import EtcdStore
 
     try:
@@ -71,4 +72,4 @@ def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     logger.info("etcd-v3 rendezvous %s at %s (%s)", params.run_id, target.endpoint, prefix)
     backend = EtcdV3RendezvousBackend(kv, prefix)
     store = EtcdStore(kv, prefix, timedelta(seconds=read_timeout))
-    return dynamic_rendezvous.create_handler(store, backend, params)
+    return FreshStoreAddressHandler(dynamic_rendezvous.create_handler(store, backend, params))

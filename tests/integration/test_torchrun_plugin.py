@@ -1,4 +1,5 @@
-"""Stock torchrun with ``--rdzv-backend etcd-v3``: two agents, one killed, one finishing.
+"""Stock torchrun with ``--rdzv-backend etcd-v3``: three agents, the rank-0 node killed,
+the other two re-rendezvousing at world 2 and finishing.
 
 The plugin is found through its ``torchrun.handlers`` entry point (installed by
 ``pip install -e .``), exactly as a user's torchrun finds it.
@@ -25,14 +26,15 @@ from tests.fixtures.processes import ProcessTree
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 
 # Each step all-reduces ones and writes world<size>.rank<rank>.agent<agent pid>: the step.
-# At world 2 it steps until the test intervenes; at world 1 it finishes after 5 steps.
+# At the world size given as its second argument it finishes after 5 steps; at any other
+# it steps until the test intervenes.
 SCRIPT = """
 import os, sys, time
 from pathlib import Path
 import torch
 import torch.distributed as dist
 
-out = Path(sys.argv[1])
+out, finish_world = Path(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo")
 world, rank = dist.get_world_size(), dist.get_rank()
 for step in range(100000):
@@ -42,7 +44,7 @@ for step in range(100000):
     mark = out / f"world{world}.rank{rank}.agent{os.getppid()}"
     mark.with_suffix(".tmp").write_text(str(step))
     mark.with_suffix(".tmp").replace(mark)
-    if world == 1 and step >= 5:
+    if world == finish_world and step >= 5:
         break
     time.sleep(0.05)
 dist.destroy_process_group()
@@ -54,13 +56,14 @@ RDZV_CONF = ",".join([
 ])
 
 
-def _torchrun(endpoint: str, run_id: str, script: Path, out: Path) -> list[str]:
+def _torchrun(endpoint: str, run_id: str, script: Path, out: Path, *, nnodes: str = "1:2",
+              finish_world: int = 1) -> list[str]:
     return [
         PYTHON, "-m", "torch.distributed.run", "--rdzv-backend", "etcd-v3",
         "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", RDZV_CONF,
-        "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3",
+        "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3",
         "--monitor-interval", "0.2", "--local-addr", "127.0.0.1",
-        str(script), str(out),
+        str(script), str(out), str(finish_world),
     ]
 
 
@@ -80,45 +83,47 @@ def _marks(out: Path, world: int) -> dict[str, int]:
     return found
 
 
-def test_two_agents_then_one_survives_a_kill(etcd_server: EtcdServer, run_id: str,
-                                             tmp_path: Path,
-                                             process_tree: ProcessTree) -> None:
+def test_three_agents_lose_the_rank0_node_and_finish_at_world_two(
+        etcd_server: EtcdServer, run_id: str, tmp_path: Path,
+        process_tree: ProcessTree) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    args = _torchrun(etcd_server.endpoint, run_id, script, out)
+    args = _torchrun(etcd_server.endpoint, run_id, script, out, nnodes="2:3", finish_world=2)
     agents = [process_tree.start(args, env=_env(), log=tmp_path / f"agent{i}.log")
-              for i in range(2)]
+              for i in range(3)]
 
     def logs() -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("*.log")))
 
-    def both_stepping() -> dict[str, int] | None:
-        marks = _marks(out, 2)
-        return marks if len(marks) == 2 and min(marks.values()) >= 2 else None
+    def all_stepping() -> dict[str, int] | None:
+        marks = _marks(out, 3)
+        return marks if len(marks) == 3 and min(marks.values()) >= 2 else None
 
     try:
-        marks = wait_until(both_stepping, 40, "both agents' workers stepping at world 2")
+        marks = wait_until(all_stepping, 60, "three agents' workers stepping at world 3")
     except Exception:
-        pytest.fail(f"no world 2:\n{logs()[-4000:]}")
-    # Kill the agent whose worker is rank 0: it hosts the workers' TCPStore, so the
-    # survivor must rebuild it; the rendezvous state itself is in etcd.
+        pytest.fail(f"no world 3:\n{logs()[-4000:]}")
+    # Kill the node whose worker is rank 0: it hosts the workers' TCPStore, so the new
+    # rank 0 starts another and the survivor at rank 1 must be told its new address
+    # (torch alone would hand it the dead node's; see elastic_rt/torchrun/handler.py).
     rank0 = next(name for name in marks if ".rank0." in name)
     victim = next(a for a in agents if rank0.endswith(f".agent{a.pid}"))
-    survivor = next(a for a in agents if a is not victim)
+    survivors = [a for a in agents if a is not victim]
     _kill_node(victim.pid)
 
     def finished() -> bool:
-        return survivor.poll() is not None
+        return all(a.poll() is not None for a in survivors)
 
     try:
-        wait_until(finished, 45, "the survivor re-rendezvousing at world 1 and finishing")
+        wait_until(finished, 60, "the survivors re-rendezvousing at world 2 and finishing")
     except Exception:
-        pytest.fail(f"survivor did not finish:\n{logs()[-4000:]}")
-    assert survivor.returncode == 0, logs()[-4000:]
-    solo = _marks(out, 1)
-    assert solo == {f"world1.rank0.agent{survivor.pid}": 5}, (solo, logs()[-3000:])
+        pytest.fail(f"survivors did not finish:\n{logs()[-4000:]}")
+    assert [a.returncode for a in survivors] == [0, 0], logs()[-4000:]
+    pair = _marks(out, 2)
+    assert sorted(pair.values()) == [5, 5], (pair, logs()[-3000:])
+    assert {name.split(".agent")[1] for name in pair} == {str(a.pid) for a in survivors}
 
 
 def _kill_node(agent_pid: int) -> None:
