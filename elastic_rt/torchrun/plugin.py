@@ -25,6 +25,12 @@ logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5
 """Default seconds for one etcd call (``--rdzv-conf etcd_timeout=``)."""
+CREDENTIALS_FIX = (
+    "Pass --rdzv-conf user=NAME with the password in ELASTIC_RT_ETCD_PASSWORD, or "
+    "cacert=, cert= and key= for TLS; a run's user needs readwrite on "
+    "/elastic_rt/torchrun/<run_id>/ (docs/etcd-security.md)"
+)
+"""The fix for a refused login or permission, in torchrun's flags."""
 STORE_TIMEOUT_S = 60
 """Default seconds an agent waits for a key of its peers (``--rdzv-conf read_timeout=``)."""
 
@@ -44,7 +50,7 @@ def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-    from elastic_rt.errors import ElasticError
+    from elastic_rt.errors import CredentialsError, ElasticError
     from elastic_rt.rendezvous.etcd_kv import EtcdKV
     from elastic_rt.torchrun.backend import EtcdV3RendezvousBackend
     from elastic_rt.torchrun.endpoint import EndpointError, parse_target
@@ -61,12 +67,16 @@ def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     try:
         kv = EtcdKV(target.endpoint, auth=target.auth, timeout=float(etcd_timeout))
         prefix = open_generation(kv, params.run_id)
+    except CredentialsError as exc:
+        # The store's own fix names elastic-rt launch's flags; torchrun's are --rdzv-conf.
+        raise RendezvousConnectionError(
+            f"etcd-v3 rendezvous: {exc.problem}. {CREDENTIALS_FIX}") from None
     except ElasticError as exc:
         # `from None`: the gRPC chain says nothing the line does not; torchrun prints
         # its own traceback for the error in any case.
         raise RendezvousConnectionError(
-            f"etcd-v3 rendezvous: {exc}. Check that etcd serves its client port at "
-            f"{target.endpoint} (start one with `elastic-rt etcd`), and pass "
+            f"etcd-v3 rendezvous: {str(exc).rstrip('.')}. Check that etcd serves its client "
+            f"port at {target.endpoint} (start one with `elastic-rt etcd`), and pass "
             "--rdzv-endpoint host:port, https://host:port or a comma-separated list"
         ) from None
     logger.info("etcd-v3 rendezvous %s at %s (%s)", params.run_id, target.endpoint, prefix)

@@ -390,3 +390,53 @@ def test_login_is_renewed_after_etcd_restarts(secured: Secured) -> None:
                "the re-armed watch to fire with the new token")
     cancel()
     kv.close()
+
+
+# stock torchrun's etcd-v3 rendezvous as a run user --------------------------------------
+def _torchrun_params(secured: Secured, run: str) -> Any:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    pki = secured.pki
+    return RendezvousParameters(
+        backend="etcd-v3", endpoint=f"https://{secured.server.endpoint}", run_id=run,
+        min_nodes=1, max_nodes=1, join_timeout="10", last_call_timeout="1", close_timeout="2",
+        cacert=pki.ca, cert=pki.client_cert, key=pki.client_key, user=f"job-{run}")
+
+
+def test_torchrun_plugin_as_the_run_user_with_the_guides_grant(
+        secured: Secured, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from elastic_rt.torchrun.plugin import create_handler
+
+    run = f"tr-{uuid.uuid4().hex[:6]}"
+    password = secured.add_run(run)
+    monkeypatch.setenv(ETCD_PASSWORD_ENV, password)  # off torchrun's command line
+    # The per-run role alone does not reach the plugin's prefix: one line saying so.
+    with pytest.raises(RendezvousConnectionError) as refused:
+        create_handler(_torchrun_params(secured, run))
+    denied = str(refused.value)
+    assert "permission denied" in denied and "\n" not in denied
+    assert "/elastic_rt/torchrun/<run_id>/" in denied and "--etcd-user" not in denied
+
+    _bash(_guide_block("torchrun-role"), {**secured.ctl_env, "RUN_ID": run})
+    first = create_handler(_torchrun_params(secured, run))
+    info = first.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    first.set_closed()
+    first.shutdown()
+    # Reusing the run id moves it to a new generation and deletes the old one's keys:
+    # both within the granted prefix.
+    again = create_handler(_torchrun_params(secured, run))
+    assert not again.is_closed()
+    assert again.next_rendezvous().world_size == 1
+    again.shutdown()
+
+    wrong = secrets.token_urlsafe(16)
+    monkeypatch.setenv(ETCD_PASSWORD_ENV, wrong)
+    with pytest.raises(RendezvousConnectionError) as rejected:
+        create_handler(_torchrun_params(secured, run))
+    line = str(rejected.value)
+    assert f"rejected user 'job-{run}'" in line and "\n" not in line
+    assert "--rdzv-conf user=" in line and "serves its client port" not in line
+    assert wrong not in line and password not in line
