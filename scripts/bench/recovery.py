@@ -28,6 +28,8 @@ torchrun-default   ``torchrun --rdzv-backend=c10d --nnodes 2:3`` with its
                    rendezvous defaults; node SIGKILL
 torchrun-fast      the same with the fastest settings that still work reliably
                    (``--torchrun-fast-conf``); node SIGKILL
+torchrun-etcd-v3   stock torchrun with elastic-rt's ``--rdzv-backend etcd-v3`` on the
+                   bench's etcd, the same fast settings; node SIGKILL
 inproc-join        no fault: only a and b start, and node c is started at
                    ``--kill-step``; the job grows to 3 (elastic-rt in-process)
 restart-join       the same in restart mode (``torchrun_ddp.py``): every worker
@@ -129,6 +131,8 @@ class Case:
     """"node-kill", "node-hang", "worker-kill", "join" or "fence"."""
     target: str
     rdzv_conf: str = ""
+    rdzv_backend: str = "c10d"
+    """torchrun's ``--rdzv-backend``: torch's ``c10d`` or elastic-rt's ``etcd-v3``."""
     min_nodes: int = 2
     """elastic-rt ``--nnodes MIN:3``."""
     script_flags: tuple[str, ...] = ()
@@ -146,6 +150,8 @@ def cases(args: argparse.Namespace) -> dict[str, Case]:
         Case("torchrun-default", "torchrun", False, "node-kill", "-"),
         Case("torchrun-fast", "torchrun", False, "node-kill", "-",
              rdzv_conf=args.torchrun_fast_conf),
+        Case("torchrun-etcd-v3", "torchrun", False, "node-kill", "-",
+             rdzv_conf=args.torchrun_fast_conf, rdzv_backend="etcd-v3"),
         Case("inproc-join", "elastic", True, "join", "pause <= 1.5 s"),
         Case("restart-join", "elastic", False, "join", "-"),
         Case("inproc-fence", "elastic", True, "fence", "pause <= 1.0 s"),
@@ -249,12 +255,17 @@ class Job:
                     "--nproc-per-node", "1", "--rdzv-endpoint", f"etcd://{self.etcd.endpoint}",
                     "--run-id", self.run_id, "--node-id", node, "--events-file", str(self.events),
                     "--lease-ttl", str(self.args.lease_ttl), *self._script()]
-        conf = [f"is_host={'true' if node == NODES[0] else 'false'}"]
+        if self.case.rdzv_backend == "etcd-v3":
+            assert self.etcd is not None
+            conf, endpoint = [], self.etcd.endpoint  # no store host: the state is in etcd
+        else:
+            conf = [f"is_host={'true' if node == NODES[0] else 'false'}"]
+            endpoint = f"127.0.0.1:{self.store_port}"
         if self.case.rdzv_conf:
             conf.append(self.case.rdzv_conf)
         monitor = self.args.torchrun_fast_monitor if self.case.rdzv_conf else 0.1
         return [PYTHON, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.store_port}",
+                "--rdzv-backend", self.case.rdzv_backend, "--rdzv-endpoint", endpoint,
                 "--rdzv-id", self.run_id, "--rdzv-conf", ",".join(conf),
                 "--max-restarts", str(self.args.torchrun_max_restarts),
                 "--monitor-interval", str(monitor), "--local-addr", "127.0.0.1", *self._script()]
@@ -524,7 +535,8 @@ def main() -> int:
     results: dict[str, list[Trial]] = {}
     try:
         with interruptible():
-            if any(known[n].launcher == "elastic" for n in names):
+            if any(known[n].launcher == "elastic" or known[n].rdzv_backend == "etcd-v3"
+                   for n in names):
                 etcd = EtcdServer()
                 etcd.start()
             for name in names:
