@@ -58,12 +58,15 @@ _POLL_S = 0.001
 def drops_a_member(ours: Round, newer: Round) -> bool:
     """Whether ``newer`` lacks a member of ``ours`` or gives one fewer ranks.
 
-    Pure. A round with the same members (a restart round after a failure) counts as
-    dropping: something failed, and a collective may wait on it.
+    Pure. Only a round that keeps every rank of ours and adds ranks is no notice: a node
+    admitted, or a member given back the ranks it sat out with while its worker restarted
+    (then every collective of ours completes). A round with the same ranks (a restart
+    round after a failure) counts as dropping: something failed, and a collective may
+    wait on it.
     """
     theirs = dict(zip(newer.members, newer.nprocs))
-    kept = all(theirs.get(m) == n for m, n in zip(ours.members, ours.nprocs))
-    return not (kept and len(theirs) > len(ours.members))
+    kept = all(theirs.get(m, 0) >= n for m, n in zip(ours.members, ours.nprocs))
+    return not (kept and newer.world_size > ours.world_size)
 
 
 class RoundNotice:

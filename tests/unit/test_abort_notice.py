@@ -28,6 +28,15 @@ def test_only_a_round_that_drops_a_rank_of_ours_is_a_notice(newer: Round, drops:
     assert drops_a_member(_round(1, "a", "b", "c"), newer) is drops
 
 
+def test_a_member_given_back_its_ranks_is_no_notice() -> None:
+    """At the minimum node count a node whose worker died stays a member with no ranks;
+    the round that gives them back only adds ranks (a notice there once cut a survivor's
+    last all-reduce short after its peer's had completed: the two disagreed on the step)."""
+    sitting_out = _round(2, "a", "c", "b", nprocs=(1, 0, 1))
+    assert not drops_a_member(sitting_out, _round(3, "a", "c", "b"))
+    assert drops_a_member(sitting_out, _round(3, "a", "c", "b", nprocs=(0, 1, 1)))
+
+
 def test_a_completed_collective_returns_its_value() -> None:
     notice = RoundNotice()
     notice.train_in(_round(1, "a", "b"))
