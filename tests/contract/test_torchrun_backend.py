@@ -1,8 +1,9 @@
 """The etcd-v3 torchrun plugin's pieces against a real etcd.
 
-torch's own ``RendezvousBackendTestMixin`` (vendored) holds the backend contract; the
-rest covers what torch's handler needs from our Store, reuse of a run id, the endpoint
-forms, and that loading the entry point first causes no circular import.
+torch's own ``RendezvousBackendTestMixin`` (vendored) holds the backend contract, and
+torch's own integration test of its dynamic rendezvous (vendored) runs its handlers over
+this backend; the rest covers what torch's handler needs from our Store, reuse of a run
+id, the endpoint forms, and that loading the entry point first causes no circular import.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from elastic_rt.torchrun.backend import EtcdV3RendezvousBackend
 from elastic_rt.torchrun.endpoint import EndpointError, parse_target
 from elastic_rt.torchrun.plugin import create_handler, handler_creator
 from elastic_rt.torchrun.store import EtcdStore
+from tests.contract import torch_dynamic_rendezvous_integration as torch_integration
 from tests.contract.torch_rendezvous_backend_mixin import RendezvousBackendTestMixin
 from tests.fixtures.tls import Pki, make_pki
 
@@ -44,6 +46,33 @@ class EtcdV3BackendContractTest(RendezvousBackendTestMixin, unittest.TestCase):
 
     def _corrupt_state(self) -> None:
         self._kv.put(self._prefix + "/state", b"#not base64#")
+
+
+def _threads(target: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.endswith(target)]
+
+
+class EtcdV3DynamicRendezvousIntegrationTest(torch_integration.IntegrationTest):
+    """torch's handlers joining, queueing as redundant and taking over, over etcd."""
+
+    @pytest.fixture(autouse=True)
+    def _etcd(self, etcd_kv: EtcdKV, run_id: str) -> Iterator[None]:
+        self._kv, self._prefix = etcd_kv, f"/elastic_rt/torchrun/{run_id}/g0"
+        yield
+        # torch's test waits for each state (_wait_for) without asserting it came: here a
+        # wait still polling once its deadline passed fails the test.
+        for waiting in _threads("(_wait_while)"):
+            waiting.join(15)
+            assert not waiting.is_alive(), "a state torch's test waited for never came"
+        # A handler in the redundancy list polls until the state changes (torch checks no
+        # deadline there): with the state gone it finds its join deadline passed and ends
+        # with the RendezvousTimeoutError the test ignores, before the client is closed.
+        self._kv.delete_prefix(self._prefix)
+        for thread in _threads("(_ignore_exception)"):
+            thread.join(10)
+
+    def _make_backend(self) -> EtcdV3RendezvousBackend:
+        return EtcdV3RendezvousBackend(self._kv, self._prefix)
 
 
 def test_token_is_the_mod_revision(etcd_kv: EtcdKV, run_id: str) -> None:
