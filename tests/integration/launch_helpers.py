@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from elastic_rt.events import Event, read_events
@@ -48,3 +49,16 @@ def progress(path: Path) -> list[dict]:
 
 def events(path: Path) -> list[Event]:
     return list(read_events(str(path)))
+
+
+def exit_code(node: subprocess.Popen[bytes], timeout: float, log: Path, events_file: Path) -> int:
+    """The node's exit code; if it runs past ``timeout``, a failure that shows its log's
+    tail and the run's last events, so a hang in CI says where it stopped."""
+    try:
+        return node.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+        last = [f"{e.timestamp_ms} {e.name} {e.node} r{e.rank} round={e.round} step={e.step} "
+                f"{json.dumps(e.metadata)[:160]}" for e in events(events_file)[-40:]]
+        raise AssertionError(f"{log.stem} still runs after {timeout:.0f} s\n--- its log:\n"
+                             f"{tail}\n--- the run's last events:\n" + "\n".join(last)) from None

@@ -22,7 +22,7 @@ import torch
 from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV
 from elastic_rt.harness import REPO, child_env, wait_until
 from tests.fixtures.processes import ProcessTree
-from tests.integration.launch_helpers import events, launch_args
+from tests.integration.launch_helpers import events, exit_code, launch_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(420)]
 
@@ -93,7 +93,8 @@ def test_a_hung_and_a_killed_node_cost_no_step_and_change_no_parameter(
                "a step without c")
 
     for name in "ab":
-        assert nodes[name].wait(timeout=240) == 0, _log(tmp_path, name)
+        code = exit_code(nodes[name], 240, tmp_path / f"{name}.log", tmp_path / "events.jsonl")
+        assert code == 0, _log(tmp_path, name)
     assert reference.wait(timeout=120) == 0, _log(reference_dir, "solo")
     got, want = torch.load(tmp_path / "params.pt"), torch.load(reference_dir / "params.pt")
     for key in want:
