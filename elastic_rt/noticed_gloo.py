@@ -76,6 +76,8 @@ class NoticedWork(dist._Work):
     def __init__(self, gloo_work: dist.Work, *, point_to_point: bool) -> None:
         super().__init__()
         self._work = gloo_work
+        # Started at once, not at the first wait: a send that nobody waits on (its round
+        # abandoned first) must still finish, so that its group can be released.
         self._waiter: _Waiter | None = _Waiter(gloo_work) if point_to_point else None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -137,13 +139,13 @@ class NoticedWork(dist._Work):
 
 
 class _Waiter:
-    """One send's or recv's whole wait, in a thread, started at the first :meth:`wait`."""
+    """One send's or recv's whole wait, in a thread of its own, started at once."""
 
     def __init__(self, work: dist.Work) -> None:
         self._work = work
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        threading.Thread(target=self._run, name="noticed-gloo-p2p", daemon=True).start()
 
     def _run(self) -> None:
         try:
@@ -155,10 +157,6 @@ class _Waiter:
 
     def wait(self, seconds: float) -> bool:
         """Whether the work finished within ``seconds``; raises the work's own error."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="noticed-gloo-p2p",
-                                            daemon=True)
-            self._thread.start()
         if not self._done.wait(seconds):
             return False
         if self._error is not None:
@@ -187,6 +185,22 @@ class NoticedGloo(dist.ProcessGroup):
         self._name = GroupName("")
         self._desc = ""
         self.timeout = timeout
+        self._unfinished: list[NoticedWork] = []
+        self._unfinished_lock = threading.Lock()
+
+    def is_idle(self) -> bool:
+        """Whether every collective issued on this group has finished (or failed): then no
+        gloo thread of it is busy, and its destructor, which joins them, returns at once."""
+        with self._unfinished_lock:
+            self._unfinished = [w for w in self._unfinished if not w.is_completed()]
+            return not self._unfinished
+
+    def _issued(self, work: NoticedWork) -> NoticedWork:
+        with self._unfinished_lock:
+            if len(self._unfinished) >= _PRUNE_AT:  # FSDP issues hundreds a step
+                self._unfinished = [w for w in self._unfinished if not w.is_completed()]
+            self._unfinished.append(work)
+        return work
 
     # torch sets and reads the group's name and description through these (C++ asks
     # the backend, and this group has none registered with torch).
@@ -239,6 +253,8 @@ _COLLECTIVES = (
 
 
 _POINT_TO_POINT = frozenset({"send", "recv", "recv_anysource"})
+_PRUNE_AT = 64
+"""Unfinished works a group lists before it drops those that have finished since."""
 
 
 def _forwarded(name: str) -> Callable[..., NoticedWork]:
@@ -246,7 +262,7 @@ def _forwarded(name: str) -> Callable[..., NoticedWork]:
 
     def collective(self: NoticedGloo, *args: Any, **kwargs: Any) -> NoticedWork:
         work = getattr(self._group, name)(*args, **kwargs)
-        return NoticedWork(work, point_to_point=point_to_point)
+        return self._issued(NoticedWork(work, point_to_point=point_to_point))
 
     collective.__name__ = name
     collective.__doc__ = f"gloo's ``{name}``, waited on through the notice."

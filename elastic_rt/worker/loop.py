@@ -86,6 +86,7 @@ from elastic_rt.worker.allocator import (
 )
 from elastic_rt.worker.batches import BatchSource, LoaderOptions, MapDataset, check_dataset
 from elastic_rt.worker.failures import end_job, user_code
+from elastic_rt.worker.footprint import footprint
 from elastic_rt.worker.grad_sync import GradSync
 from elastic_rt.worker.hang import HangWatchdog, report_stall
 from elastic_rt.worker.joined_round import JoinedRound, close_round, collective_timeout, join
@@ -326,7 +327,8 @@ class _ElasticLoop:
         # Where the time went: the previous round's teardown, finding the store (address and
         # connect), waiting for the slowest rank, and building the groups (gloo's mesh).
         self._phase("groups.reformed", began, world_size=ctx.world_size, layout=str(ctx.layout),
-                    release_ms=int((released - began) * 1000), **timings)
+                    release_ms=int((released - began) * 1000), **timings,
+                    footprint=footprint())
         return self.joined
 
     def restore(self, joined: JoinedRound) -> None:

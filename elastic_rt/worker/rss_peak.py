@@ -45,3 +45,11 @@ class RssPeak:
             return max(0, _kib("VmHWM") - self._start_kib) * 1024
         except OSError:
             return None
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now, in bytes; None if unknown."""
+    try:
+        return _kib("VmRSS") * 1024
+    except OSError:
+        return None

@@ -4,7 +4,9 @@ torch 2.13's gloo ``abort()`` does not free a collective blocked on a SIGSTOPped
 and destroying the group would join that blocked thread. Here rank 2 stops itself while
 ranks 0 and 1 wait in an all-reduce with a 10-minute timeout: the notice of a round
 without it must end their wait at once, and after ``abandon_groups`` they must form the
-next round's groups and restore state by broadcast in the same processes.
+next round's groups and restore state by broadcast in the same processes. Once the hung
+peer is killed, its round's collectives fail, and the abandoned groups, their threads
+with them, are released.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import torch
 import torch.distributed as dist
 
 from elastic_rt.layout import Layout
-from elastic_rt.process_groups import abandon_groups, destroy_groups, init_groups
+from elastic_rt.harness import wait_until
+from elastic_rt.process_groups import (
+    abandon_groups,
+    abandoned_group_count,
+    destroy_groups,
+    init_groups,
+    release_abandoned,
+)
 from elastic_rt.errors import RoundAbandoned
 from elastic_rt.worker.abort import round_notice
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
@@ -69,10 +78,19 @@ def _survive_a_hung_peer(env: WorkerEnv) -> dict[str, object]:
     total = torch.tensor([float(env.rank + 1)])
     dist.all_reduce(total, group=groups.world)
     destroy_groups(groups)
+    held, threads = abandoned_group_count(), _threads()
+    assert release_abandoned() == 0  # its all-reduce still waits on the hung peer
     if env.rank == 0:  # the hung node's agent would stop it once fenced
         os.kill(int(env.store.get("hung-pid")), signal.SIGKILL)
+    wait_until(lambda: release_abandoned() >= 0 and abandoned_group_count() == 0, 30,
+               "the abandoned round's collectives to fail")
     return {"outcome": outcome, "waited": waited, "src": src, "w": state["w"].tolist(),
-            "step": state["step"], "sum": total.item()}
+            "step": state["step"], "sum": total.item(), "held": held,
+            "threads_freed": threads - _threads()}
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 
 def test_a_round_blocked_on_a_hung_peer_is_abandoned_and_the_next_one_trains() -> None:
@@ -83,3 +101,6 @@ def test_a_round_blocked_on_a_hung_peer_is_abandoned_and_the_next_one_trains() -
         assert survivor["waited"] < NOTICE_AFTER_S + 5  # not the 10-minute timeout
         assert survivor["src"] == 0 and survivor["step"] == 10
         assert survivor["w"] == [0.0, 1.0, 2.0] and survivor["sum"] == 3.0
+        assert survivor["held"] >= 2  # the world and the dp group at least
+        # gloo's worker threads (two a group) and the blocked all-reduce's went with them
+        assert survivor["threads_freed"] >= 2 * survivor["held"], survivor
