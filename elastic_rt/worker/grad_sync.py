@@ -93,7 +93,11 @@ class _Bucket:
 
 
 class GradientBuckets:
-    """One round's gradient reducer for one model; rebuilt at every re-form.
+    """One model's gradient reducer, pointed at each round's group in turn (:meth:`rebind`).
+
+    The buckets outlive the rounds: a re-form costs no new buffers (400 MB of zero-filled
+    memory at 100M parameters, 0.1-0.2 s of page faults on the survivors' restore), and a
+    newcomer allocates its buckets before it is admitted, with no group yet.
 
     Invariant after :meth:`finish`: every trainable parameter's ``.grad`` is a view into
     its bucket, holding the sum over the group (zeros for a parameter backward never
@@ -101,13 +105,15 @@ class GradientBuckets:
 
     Args:
         model: whose trainable parameters are averaged.
-        group: the round's data-parallel group.
+        group: the round's data-parallel group; None before the first round (a step
+            then only sums this rank's own gradients).
         options: bucket sizes and the reduction.
     """
 
-    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup, options: GradSync) -> None:
-        self.group, self.hook = group, options.comm_hook
-        self.is_active = dist.get_world_size(group) > 1
+    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None,
+                 options: GradSync) -> None:
+        self.hook = options.comm_hook
+        self.rebind(group)
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = _make_buckets(params[::-1], options)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -121,6 +127,12 @@ class GradientBuckets:
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
+
+    def rebind(self, group: dist.ProcessGroup | None) -> None:
+        """Sum over ``group`` from the next step on (the new round's data-parallel group)."""
+        self.group = group
+        self.is_active = group is not None and dist.get_world_size(group) > 1
+        self._futures, self._next = [], 0
 
     def zero_grad(self) -> None:
         """Start a step with no gradients; the hook moves each new one into its bucket."""
@@ -185,6 +197,7 @@ class GradientBuckets:
             bucket = self.buckets[self._next]
             if only_complete and bucket.pending > 0:
                 return
+            assert self.group is not None  # is_active
             self._futures.append(self.hook(self.group, bucket.buffer))
             self._next += 1
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_rt.errors import ConfigError
+from elastic_rt.process_groups import abandoned_group_count
 from elastic_rt.worker.batches import to_device
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.failures import user_code
@@ -96,15 +97,24 @@ class ReplicatedStep:
         self.scaler = torch.amp.GradScaler(self.device_type) if is_fp16 else None
         self.buckets: GradientReducer | None = None
 
-    def bind(self, dp_group: dist.ProcessGroup, reducer: GradientReducer | None = None) -> None:
+    def bind(self, dp_group: dist.ProcessGroup | None,
+             reducer: GradientReducer | None = None) -> None:
         """Average over this round's data-parallel group from now on (through ``reducer``
-        when given, e.g. a sharded model's own)."""
+        when given, e.g. a sharded model's own); None: no round yet (a newcomer's buckets
+        made before it is admitted)."""
+        # The same buffers serve the new round only when no collective of an abandoned
+        # round can still complete into them (its groups are all released): a hung peer
+        # that wakes could otherwise finish an old all-reduce in the middle of a new step.
+        if (reducer is None and isinstance(self.buckets, GradientBuckets)
+                and abandoned_group_count() == 0):
+            self.buckets.rebind(dp_group)
+            return
         was_bound = self.buckets is not None
         self.unbind()
         if was_bound and reducer is None:
-            # The last round's gradients are views into its buckets: dropped first, the new
-            # buckets take their place instead of doubling them (400 MB at 100M parameters).
-            # Nothing reads them: every step starts from none.
+            # The last buckets' gradients are views into them: dropped first, the new
+            # buckets take their place instead of doubling them (400 MB at 100M
+            # parameters). Nothing reads them: every step starts from none.
             for param in self.state.model.parameters():
                 param.grad = None
         self.buckets = reducer or GradientBuckets(self.state.model, dp_group,
