@@ -68,6 +68,8 @@ class Agent:
                         if config.metrics_port is not None else None)
         self._metrics_server: MetricsServer | None = None
         self._started = self._last_wait_report = 0.0
+        self._waiting_for: str | None = None
+        """The reason of the last ``node.waiting`` event, until a round admits us."""
 
     # entry point ---------------------------------------------------------------
     def run(self) -> int:
@@ -131,7 +133,8 @@ class Agent:
                 self._evict_stale_registration()
             if not standby:
                 self.keeper.start()
-            self.registry.publish_max_restarts(self.config.max_restarts)
+            self.registry.publish_limits(max_restarts=self.config.max_restarts,
+                                         max_nodes=self.config.rendezvous.max_nodes)
         except StoreConnectionError as exc:
             raise EndpointUnreachableError(
                 f"cannot reach etcd at {self.config.rendezvous.endpoint} within "
@@ -184,11 +187,13 @@ class Agent:
         if master is None:
             return None
         self.workers.start_in(action.round, master, first=action.first)
+        self._waiting_for = None
         return policy.WorkersStarted(action.round)
 
     def follow_round(self, action: policy.FollowRound) -> policy.RoundFollowed | None:
         if self._agree_on_store(action.round) is None:
             return None
+        self._waiting_for = None
         return policy.RoundFollowed(action.round, now=time.monotonic())
 
     def _agree_on_store(self, round_: Round) -> tuple[str, int] | None:
@@ -359,7 +364,12 @@ class Agent:
             logger.warning("root cause not stored (%s):\n%s", exc, cause.table())
 
     def _report_waiting(self, reason: str) -> None:
-        """Show that a long rendezvous wait is alive: one line every 5 s, with its reason."""
+        """Show that a long rendezvous wait is alive: one line every 5 s, with its reason,
+        and a ``node.waiting`` event each time the reason changes (a spare says it waits as
+        one, which ``elastic-rt status`` and tests read)."""
+        if reason != self._waiting_for:
+            self._waiting_for = reason
+            self.events.emit("node.waiting", reason=reason)
         now = time.monotonic()
         if now - self._last_wait_report >= 5.0:
             self._last_wait_report = now

@@ -44,6 +44,7 @@ class LocalWorkers:
             node_id=config.node_id, run_id=rdzv.run_id, endpoint=rdzv.endpoint,
             agent_dir=self.agent_dir, events_file=config.events_file, lease_ttl=rdzv.lease_ttl,
             auth=rdzv.auth, max_restarts=config.max_restarts, hang_factor=config.hang_factor,
+            max_nodes=rdzv.max_nodes,
         )  # fmt: skip
         """What every local worker's environment shares, whatever the round."""
 

@@ -53,6 +53,7 @@ AGENT_DIR_ENV = "ELASTIC_RT_AGENT_DIR"
 COLLECTIVE_TIMEOUT_ENV = "ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC"
 LOG_LEVEL_ENV = "ELASTIC_RT_LOG_LEVEL"
 HANG_FACTOR_ENV = "ELASTIC_RT_HANG_FACTOR"
+MAX_NODES_ENV = "ELASTIC_RT_MAX_NODES"
 HEARTBEAT_INTERVAL_ENV = "ELASTIC_RT_HEARTBEAT_INTERVAL_SEC"
 HEARTBEAT_MISSES_ENV = "ELASTIC_RT_HEARTBEAT_MISSES"
 BACKEND_ENV = "ELASTIC_RT_BACKEND"
@@ -330,6 +331,10 @@ class WorkerEnv:
     """How long a training collective may wait; None: the lease TTL decides."""
     hang_factor: float = DEFAULT_HANG_FACTOR
     """See :mod:`elastic_rt.worker.hang`."""
+    max_nodes: int = 0
+    """The job's ``--nnodes`` maximum (0: unknown). A worker waiting to be admitted builds
+    for the world it will most likely join: a spare's, once the round is full, is the
+    current one (it takes a lost member's place)."""
     auth: EtcdAuth = field(default_factory=EtcdAuth)
 
     @property
@@ -370,6 +375,7 @@ class WorkerEnv:
             lease_ttl=env_seconds(env, LEASE_TTL_ENV) or DEFAULT_LEASE_TTL,
             collective_timeout=env_seconds(env, COLLECTIVE_TIMEOUT_ENV),
             hang_factor=env_factor(env, HANG_FACTOR_ENV, DEFAULT_HANG_FACTOR),
+            max_nodes=_env_int(env, MAX_NODES_ENV, 0),
             auth=EtcdAuth.from_env(env),
         )
 
@@ -387,6 +393,7 @@ class WorkerEnv:
             AGENT_DIR_ENV: self.agent_dir,
             LEASE_TTL_ENV: _seconds_text(self.lease_ttl),
             HANG_FACTOR_ENV: repr(self.hang_factor),
+            MAX_NODES_ENV: str(self.max_nodes),
             **self.auth.to_env(),
         }
         if self.in_round:

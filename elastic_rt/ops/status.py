@@ -44,7 +44,9 @@ class NodeStatus:
     nproc: int
     group_rank: int | None
     state: str
-    """``in round``, ``waiting`` (registered, not a member) or ``gone`` (member, key expired)."""
+    """``in round``, ``waiting`` (registered, not a member), ``spare`` (waiting while the
+    round has ``--nnodes`` MAX members: it replaces the next member lost) or ``gone``
+    (member, key expired)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +142,7 @@ def status_from_keys(
         endpoint=endpoint,
         state=_state(items, current, registered),
         round=_round_dict(current, now_ms),
-        nodes=_nodes(current, registered),
+        nodes=_nodes(current, registered, max_nodes=_int_key(items, "max_nodes")),
         layout=_json_key(items, "layout"),
         checkpoint=_json_key(items, "checkpoint", bare="name"),
         restarts_used=_int_key(items, "restarts") or 0,
@@ -207,8 +209,10 @@ def _round_dict(current: Round | None, now_ms: int) -> dict[str, Any] | None:
     }
 
 
-def _nodes(current: Round | None, registered: dict[str, NodeInfo]) -> list[NodeStatus]:
+def _nodes(current: Round | None, registered: dict[str, NodeInfo], *,
+           max_nodes: int | None) -> list[NodeStatus]:
     members = list(current.members) if current else []
+    waits_as = "spare" if max_nodes and len(members) >= max_nodes else "waiting"
     rows = []
     for rank, node in enumerate(members):
         info = registered.get(node)
@@ -217,7 +221,7 @@ def _nodes(current: Round | None, registered: dict[str, NodeInfo]) -> list[NodeS
         rows.append(NodeStatus(node, host, nproc, rank, "in round" if info else "gone"))
     waiting = sorted((i for n, i in registered.items() if n not in members),
                      key=lambda i: (i.joined_revision, i.node_id))  # fmt: skip
-    rows += [NodeStatus(i.node_id, i.host, i.nproc, None, "waiting") for i in waiting]
+    rows += [NodeStatus(i.node_id, i.host, i.nproc, None, waits_as) for i in waiting]
     return rows
 
 

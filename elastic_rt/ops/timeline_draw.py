@@ -27,6 +27,7 @@ from elastic_rt.ops.timeline import (
     step_series,
     worker_bars,
 )
+from elastic_rt.rendezvous.rounds import SPARE
 
 
 MARKERS = {
@@ -36,7 +37,10 @@ MARKERS = {
     "worker.failed": ("v", "#d62728", "worker failed"),
     "agent.fenced": ("D", "#9467bd", "fenced itself"),
     "job.finished": ("P", "#222222", "finished"),
+    "spare": ("o", "#17becf", "waiting as a spare"),
 }
+"""Marker, colour and legend label by event name; ``spare`` is a ``node.waiting`` event
+whose reason is :data:`~elastic_rt.rendezvous.rounds.SPARE`."""
 LINES = {
     "node.lost": ("#d62728", "--"),
     "node.left": ("#ff7f0e", "--"),
@@ -219,17 +223,24 @@ def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
                 ax.text(frame.x(start) + width / 2, lane[node], f"round {number}", ha="center",
                         va="center", fontsize=8, color="white", fontweight="bold")  # fmt: skip
     for e in events:
-        if e.name not in MARKERS or (e.name == "worker.failed" and e.source != "agent"):
+        if _marked(e) not in MARKERS or (e.name == "worker.failed" and e.source != "agent"):
             continue
         who = str(e.metadata.get("lost")) if e.name == "node.lost" else e.node
         if who in lane and who not in waiting and e.timestamp_ms <= frame.end_ms:
-            marker, colour, _label = MARKERS[e.name]
+            marker, colour, _label = MARKERS[_marked(e)]
             ax.plot(frame.x(e.timestamp_ms), lane[who], marker=marker, color=colour, ms=9,
                     mec="white", mew=0.8, zorder=5, ls="none")  # fmt: skip
     labels = [f"{n}\n(never admitted)" if n in waiting else n for n in reversed(nodes)]
     ax.set_yticks(range(len(nodes)), labels)
     ax.set_ylim(-0.6, len(nodes) - 0.4)
     ax.set_ylabel("node")
+
+
+def _marked(event: Event) -> str:
+    """The key of :data:`MARKERS` an event is drawn with (a spare's wait is its own)."""
+    if event.name == "node.waiting" and event.metadata.get("reason") == SPARE:
+        return "spare"
+    return event.name
 
 
 def _draw_waiting(ax: Any, events: Sequence[Event], waiting: set[str], lane: dict[str, int],
@@ -242,7 +253,9 @@ def _draw_waiting(ax: Any, events: Sequence[Event], waiting: set[str], lane: dic
         ax.broken_barh([(frame.x(joined), frame.x(frame.end_ms) - frame.x(joined))],
                        (lane[node] - 0.2, 0.4), facecolors="none", edgecolors="#999999",
                        hatch="///", linewidth=0.8)  # fmt: skip
-        ax.text(frame.x(joined), lane[node] + 0.3, " waiting to be admitted", fontsize=8,
+        spare = any(_marked(e) == "spare" for e in events if e.node == node)
+        ax.text(frame.x(joined), lane[node] + 0.3,
+                " waiting as a spare" if spare else " waiting to be admitted", fontsize=8,
                 color="#666666", va="bottom")  # fmt: skip
 
 
@@ -312,7 +325,7 @@ def _legend(
         Patch(color=colour, label=n if n.startswith("node") else f"node {n}")
         for n, colour in frame.colours.items()
     ]
-    present = {e.name for e in events}
+    present = {_marked(e) for e in events}
     handles += [Line2D([], [], marker=m, color=c, ls="none", ms=8, label=label)
                 for name, (m, c, label) in MARKERS.items() if name in present]  # fmt: skip
     if "checkpoint.committed" in present:

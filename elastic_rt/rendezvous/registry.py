@@ -16,6 +16,7 @@ Key layout under ``/elastic_rt/<run_id>/``:
 ``failure/<k>``       the first worker failure reported in round k
 ``checkpoint``        name of the last committed checkpoint, written fenced
 ``max_restarts``      the job's restart budget, written by every agent at start
+``max_nodes``         the job's ``--nnodes`` maximum, written with it (nodes beyond are spares)
 ``layout``            JSON ``{"round", "layout"}`` of the current round, rank 0, fenced
 ``progress``          JSON ``{"round", "step", "steps_per_s", "ms"}``, rank 0, fenced
 ``root_cause``        the last failure's :class:`~elastic_rt.root_cause.RootCause`
@@ -328,9 +329,11 @@ class RunRegistry(RunRequests):
         item = self.kv.get(self.key(CLOSED))
         return item.value.decode() if item else None
 
-    def publish_max_restarts(self, budget: int) -> None:
-        """For ``status``: every agent is given the same budget, so any may write it."""
-        self.kv.put(self.key("max_restarts"), str(budget).encode())
+    def publish_limits(self, *, max_restarts: int, max_nodes: int) -> None:
+        """For ``status``: every agent is given the same budget and ``--nnodes``, so any
+        may write them (one transaction)."""
+        self.kv.txn({}, [Put(self.key("max_restarts"), str(max_restarts).encode()),
+                         Put(self.key("max_nodes"), str(max_nodes).encode())])
 
     def progress(self) -> dict[str, object] | None:
         """The job's last published step (see the ``progress`` key), or None."""

@@ -162,6 +162,11 @@ class Propose:
     expected_token: int
 
 
+SPARE = "round is full; waiting as a spare"
+"""Why a registered node beyond ``max_nodes`` waits: it takes the place of the next member
+lost, in the round that drops that member."""
+
+
 @dataclass(frozen=True, slots=True)
 class Wait:
     """Nothing to do yet; ``quorum_since`` is the caller's new last-call start."""
@@ -218,7 +223,7 @@ def decide(
     if not paused and not lost and (not waiting or len(current.members) >= limits.max_nodes):
         if i_am_member:
             return Participate(current)
-        return Wait("round is full; waiting as a spare")
+        return Wait(SPARE)
     members = next_members(current, snapshot.nodes, limits.max_nodes)
     short = f"{len(members)} of at least {limits.min_nodes} nodes left"
     if len(members) < limits.min_nodes:
@@ -252,6 +257,8 @@ def _follow(current: Round | None, me: str, limits: Limits) -> Action:
                     stop_workers=me in current.members)
     if me in current.members:
         return Participate(current)
+    if len(current.members) >= limits.max_nodes:
+        return Wait(SPARE)
     return Wait("waiting for the leader to admit this node")
 
 

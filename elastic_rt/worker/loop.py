@@ -218,12 +218,16 @@ class _ElasticLoop:
 
     def _prepare(self, membership: Membership) -> None:
         """A standby worker builds its state before its node registers, for the layout of
-        the round that will most likely admit it: the current one plus this node's ranks
+        the round that will most likely admit it: the current one plus this node's ranks,
+        or for a spare (the round is full) the current one, whose lost member it replaces
         (a wrong guess is built again in the round)."""
         if self.env.in_round or membership.registry is None:
             return
         current = membership.registry.current_round()
-        world = (current.world_size if current is not None else 0) + self.env.local_world_size
+        world = current.world_size if current is not None else 0
+        is_full = current is not None and len(current.members) >= self.env.max_nodes > 0
+        if not is_full:
+            world += self.env.local_world_size
         began = time.monotonic()
         self.trainer.prepare(plan_layout(world, self.options.limits))
         logger.info("built ahead of the round for %d ranks in %.2f s", world,
@@ -244,7 +248,11 @@ class _ElasticLoop:
 
     # the loop -------------------------------------------------------------------
     def run(self) -> Any:
-        round_ = self.membership.current()
+        try:
+            round_ = self.membership.current()
+        except RendezvousClosedError as exc:  # a spare whose job ended without it
+            logger.info("%s", exc)
+            raise SystemExit(0) from None
         try:
             while True:
                 try:

@@ -63,13 +63,23 @@ class RoundFollower:
             return self._newest > than
 
     def current(self) -> Round:
-        """The round the agent started us in; for a replacement started outside any
-        round (``ELASTIC_RT_ROUND=-1``), the first round that gives this worker a rank."""
+        """The round the agent started us in; for a worker started outside any round
+        (``ELASTIC_RT_ROUND=-1``: a newcomer, a replacement, a spare), the first round
+        that gives this worker a rank, however long that takes: a spare waits until a
+        member is lost. It dies with its agent, and ends when the run closes.
+
+        Raises:
+            RendezvousClosedError: the run closed before a round gave us a rank.
+            RendezvousTimeoutError: the round the agent started us in is not in etcd.
+        """
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        while self.env.round < 0 or time.monotonic() < deadline:
             current = self.registry.current_round()
             if current is not None and current.number >= self.env.round and self._in(current):
                 return current
+            if self.env.round < 0 and (closed := self.registry.closed_reason()) is not None:
+                raise RendezvousClosedError(f"the job was closed before this worker had a "
+                                            f"rank: {closed}")
             self._changed.wait(0.2)
         raise RendezvousTimeoutError(f"round {self.env.round} not found in etcd",
                                      "Restart the job.")

@@ -8,6 +8,7 @@ import pytest
 
 from elastic_rt.errors import StoreStateError
 from elastic_rt.rendezvous.rounds import (
+    SPARE,
     Closed,
     Limits,
     NodeInfo,
@@ -134,6 +135,12 @@ def test_spare_waits_while_the_round_is_full(clock: FakeClock) -> None:
     assert isinstance(spare, Wait)
     assert not spare.stop_workers
     assert decide_at(clock, snapshot, "a") == Participate(current)
+    assert spare == Wait(SPARE)
+    # a follower (it holds no registrations) tells the same from the round's size
+    follower = decide_at(clock, Snapshot(round=current, nodes={}, nodes_known=False), "e")
+    assert follower == Wait(SPARE)
+    small = decide_at(clock, Snapshot(round=round_of(*"ab"), nodes={}, nodes_known=False), "e")
+    assert isinstance(small, Wait) and small.reason != SPARE  # it is admitted next
 
 
 def test_lost_member_gives_next_round_with_survivors_in_order_then_newcomers(

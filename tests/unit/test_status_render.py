@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from elastic_rt.rendezvous.kv import KeyValue
+from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.root_cause import RootCause
 from elastic_rt.ops.status import render, status_from_keys
 
@@ -33,3 +34,20 @@ def test_step_rate_budget_and_root_cause_are_shown() -> None:
 def test_a_run_without_steps_or_failures_says_so() -> None:
     text = render(status_from_keys("r", _items(progress=b"garbage"), endpoint="e", now_ms=0))
     assert "step        none completed yet" in text and "root cause" not in text
+
+
+def _node(node_id: str) -> bytes:
+    return json.dumps({"node_id": node_id, "host": "10.0.0.9", "nproc": 1}).encode()
+
+
+def test_a_node_waiting_beside_a_full_round_is_a_spare() -> None:
+    full = Round(number=1, members=("a", "b"), nprocs=(1, 1), hosts=("h", "h"))
+    items = _items(round=full.to_json(), max_nodes=b"2", **{
+        "nodes/a": _node("a"), "nodes/b": _node("b"), "nodes/c": _node("c")})
+    states = {n.node_id: n.state for n in status_from_keys("r", items, endpoint="e",
+                                                           now_ms=0).nodes}
+    assert states == {"a": "in round", "b": "in round", "c": "spare"}
+    items["max_nodes"] = KeyValue("max_nodes", b"3", 5, 5, 0)  # room for c: it is admitted next
+    states = {n.node_id: n.state for n in status_from_keys("r", items, endpoint="e",
+                                                           now_ms=0).nodes}
+    assert states["c"] == "waiting"

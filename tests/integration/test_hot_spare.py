@@ -1,0 +1,72 @@
+"""A spare: a node started beyond ``--nnodes MAX`` waits registered, workers imported and
+its model built, and replaces a lost member in the round that drops it.
+
+Two members (``--nnodes 2:2``) train; node c starts beyond the maximum and waits as a
+spare. When b is SIGKILLed the job never shrinks: the round without b already admits
+c, whose state streams from a while a trains. The run ends with the parameters of an
+uninterrupted run, every step done once by the survivor.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_rt.harness import REPO, child_env, wait_until
+from elastic_rt.rendezvous.rounds import SPARE
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import events, exit_code, launch_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
+
+SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
+STEPS = 300
+
+
+def _node(tree: ProcessTree, endpoint: str, run_id: str, tmp: Path, name: str, nnodes: str):
+    args = launch_args(endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name)
+    script = [SCRIPT, "--steps", str(STEPS), "--out", str(tmp / "params.pt"),
+              "--step-time", "0.05"]
+    return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
+
+
+def _step(tmp: Path) -> int:
+    return max((e.step or 0 for e in events(tmp / "events.jsonl") if e.name == "step.completed"),
+               default=0)
+
+
+def test_a_spare_replaces_a_lost_member_without_the_job_shrinking(
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path
+) -> None:
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    reference = _node(process_tree, etcd_server.endpoint, run_id + "-ref", reference_dir,
+                      "solo", "1")
+    nodes = {n: _node(process_tree, etcd_server.endpoint, run_id, tmp_path, n, "2:2")
+             for n in "ab"}
+    wait_until(lambda: _step(tmp_path) >= 10, 180, "step 10")
+    nodes["c"] = _node(process_tree, etcd_server.endpoint, run_id, tmp_path, "c", "2:2")
+    log = tmp_path / "events.jsonl"
+    wait_until(lambda: any(e.name == "node.waiting" and e.node == "c"
+                           and e.metadata["reason"] == SPARE for e in events(log)), 120,
+               "c registered and waiting as a spare, its workers started")
+    process_tree.signal_tree(nodes["b"].pid, signal.SIGKILL)
+    for name in "ac":
+        assert exit_code(nodes[name], 240, tmp_path / f"{name}.log", log) == 0
+    assert reference.wait(timeout=120) == 0
+    got, want = torch.load(tmp_path / "params.pt"), torch.load(reference_dir / "params.pt")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0)
+
+    seen = events(log)
+    sizes = {e.metadata["world_size"] for e in seen if e.name == "step.completed"}
+    assert sizes == {2}, f"the job shrank: world sizes {sizes}"
+    formed = [e.metadata["members"] for e in seen
+              if e.name == "round.formed" and e.source == "agent"]
+    assert formed[-1] == ["a", "c"], formed  # c took b's place in the round that dropped b
+    steps = sorted(e.step for e in seen if e.name == "step.completed" and e.node == "a"
+                   and e.step is not None)
+    assert steps == list(range(1, STEPS + 1)), "a skipped a step or did one twice"
