@@ -21,6 +21,7 @@ _EXPORTS = {
     "LoaderOptions": "elastic_rt.worker.batches",
     "ModelLimits": "elastic_rt.layout",
     "StepReport": "elastic_rt.worker.progress",
+    "Stragglers": "elastic_rt.worker.stragglers",
     "TrainState": "elastic_rt.worker.train_state",
     "bf16_compress": "elastic_rt.worker.grad_sync",
     "context": "elastic_rt.worker.context",

@@ -32,6 +32,7 @@ EVENT_NAMES = frozenset(
         "groups.reformed",
         "state.restored",
         "state.landed",
+        "shares.rebalanced",
         "step.retried",
         "step.resumed",
         "step.completed",

@@ -47,14 +47,21 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def share_bounds(n: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
+def share_bounds(n: int, dp_rank: int, dp_size: int,
+                 weights: tuple[int, ...] | None = None) -> tuple[int, int]:
     """The ``[start, end)`` of ``dp_rank``'s contiguous share of ``n`` items.
 
-    The first ``n % dp_size`` ranks get one item more, so shares differ by at most one.
+    Without ``weights`` the first ``n % dp_size`` ranks get one item more, so shares differ
+    by at most one. With them (one per rank, e.g. a straggler's cut down), the shares are
+    proportional: rank r ends at ``floor(n * sum(weights[:r+1]) / sum(weights))``.
     """
-    base, extra = divmod(n, dp_size)
-    start = dp_rank * base + min(dp_rank, extra)
-    return start, start + base + (1 if dp_rank < extra else 0)
+    if weights is None:
+        base, extra = divmod(n, dp_size)
+        start = dp_rank * base + min(dp_rank, extra)
+        return start, start + base + (1 if dp_rank < extra else 0)
+    total = sum(weights)
+    before = sum(weights[:dp_rank])
+    return n * before // total, n * (before + weights[dp_rank]) // total
 
 
 class ElasticSampler:
@@ -109,6 +116,7 @@ class ElasticSampler:
         self._step = 0
         self._dp_rank = 0
         self._dp_size = 1
+        self._weights: tuple[int, ...] | None = None
         self._order: tuple[int, int, torch.Tensor] | None = None  # (seed, epoch, permutation)
 
     @property
@@ -157,7 +165,25 @@ class ElasticSampler:
                 "Sampler re-split: dp_rank %s of %s at epoch %s position %s",
                 dp_rank, dp_size, self._epoch, self._position,
             )
-        self._dp_rank, self._dp_size = dp_rank, dp_size
+        self._dp_rank, self._dp_size, self._weights = dp_rank, dp_size, None
+
+    @property
+    def weights(self) -> tuple[int, ...] | None:
+        """Each rank's relative share of a global batch; None: equal shares."""
+        return self._weights
+
+    def set_weights(self, weights: tuple[int, ...] | None) -> None:
+        """Split the global batches in proportion to ``weights`` (one per rank, positive),
+        e.g. less to a straggler; None: equal shares. Reset by :meth:`set_world`. Which
+        samples a global batch holds never changes, so training stays exact.
+
+        Raises:
+            ValueError: not one positive weight per rank.
+        """
+        if weights is not None and (len(weights) != self._dp_size or min(weights) < 1):
+            raise ValueError(f"{weights} is not one positive weight for each of "
+                             f"{self._dp_size} ranks")
+        self._weights = weights
 
     def global_batch(self) -> list[int]:
         """Dataset indices of the next global batch, the same on every rank."""
@@ -166,7 +192,7 @@ class ElasticSampler:
     def local_batch(self) -> list[int]:
         """This rank's contiguous share of :meth:`global_batch`; may be empty."""
         batch = self.global_batch()
-        start, end = share_bounds(len(batch), self._dp_rank, self._dp_size)
+        start, end = share_bounds(len(batch), self._dp_rank, self._dp_size, self._weights)
         return batch[start:end]
 
     def micro_batches(self) -> list[list[int]]:
@@ -260,7 +286,7 @@ class ElasticSampler:
             collate function fails on an empty list, so give the DataLoader a ``collate_fn``
             that accepts one if that can happen.
         """
-        return self._local_batches(self._epoch, self._position, self._dp_rank, self._dp_size)
+        return self._local_batches(self._epoch, self._position, self._split())
 
     def iter_micro_batches(self) -> Iterator[list[int]]:
         """Every non-empty micro-batch this rank will train on, from the current position on.
@@ -271,10 +297,10 @@ class ElasticSampler:
         step make a fresh one. Empty shares yield nothing; the loop knows from
         :meth:`micro_batches` how many micro-batches each step takes.
         """
-        epoch, position = self._epoch, self._position
-        dp_rank, dp_size, size = self._dp_rank, self._dp_size, self._micro_batch_size
+        epoch, position, size = self._epoch, self._position, self._micro_batch_size
+        split = self._split()
         while True:
-            for local in self._local_batches(epoch, position, dp_rank, dp_size):
+            for local in self._local_batches(epoch, position, split):
                 chunk = size or max(len(local), 1)
                 yield from (local[i : i + chunk] for i in range(0, len(local), chunk))
             epoch, position = epoch + 1, 0
@@ -286,12 +312,18 @@ class ElasticSampler:
             return left // self._global_batch_size
         return -(-left // self._global_batch_size)
 
+    def _split(self) -> tuple[int, int, tuple[int, ...] | None]:
+        return self._dp_rank, self._dp_size, self._weights
+
     def _local_batches(
-        self, epoch: int, position: int, dp_rank: int, dp_size: int
+        self, epoch: int, position: int, split: tuple[int, int, tuple[int, ...] | None]
     ) -> Iterator[list[int]]:
+        """This rank's shares from ``position`` on, with ``split`` (rank, size, weights)
+        as it was when the iterator was made."""
+        rank, size, weights = split
         while not self._is_epoch_done(position):
             batch = self._batch_at(epoch, position)
-            start, end = share_bounds(len(batch), dp_rank, dp_size)
+            start, end = share_bounds(len(batch), rank, size, weights)
             yield batch[start:end]
             position += len(batch)
 

@@ -64,6 +64,8 @@ class RunStatus:
     max_restarts: int | None
     progress: dict[str, Any] | None = None
     root_cause: dict[str, Any] | None = None
+    shares: dict[str, Any] | None = None
+    """The uneven split of the global batch rank 0 last published (stragglers), if any."""
     events: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -148,6 +150,7 @@ def status_from_keys(
         restarts_used=_int_key(items, "restarts") or 0,
         max_restarts=_int_key(items, "max_restarts"),
         progress=_json_key(items, "progress"),
+        shares=_json_key(items, "shares"),
         root_cause=_root_cause(items),
     )
 
@@ -275,6 +278,8 @@ def render(status: RunStatus) -> str:
     lines.append(f"layout      {_layout_text(status)}")
     lines.append(f"checkpoint  {_checkpoint_text(status.checkpoint)}")
     lines.append(f"restarts    {_restarts_text(status)}")
+    if _is_current(status.shares, status.round):
+        lines.append(f"stragglers  {_shares_text(status.shares)}")
     if status.root_cause:
         lines += _root_cause_lines(RootCause(**status.root_cause))
     lines += ["", *_table(status.nodes)]
@@ -294,6 +299,20 @@ def _round_lines(status: RunStatus) -> list[str]:
         f"round       {r['number']}  ({r['reason'] or 'no reason given'})  token {r['token']}{age}",
         f"world size  {r['world_size']} workers on {len(r['members'])} nodes",
     ]
+
+
+def _is_current(shares: dict[str, Any] | None, round_: dict[str, Any] | None) -> bool:
+    """An uneven split published in the current round (a new round splits evenly again)."""
+    return bool(shares and shares.get("weights") and round_
+                and shares.get("round") == round_["number"])
+
+
+def _shares_text(shares: Any) -> str:
+    """Each node's part of the global batch, the smallest first (the stragglers)."""
+    total = sum(shares["weights"])
+    parts = sorted(zip(shares["weights"], shares["nodes"]))
+    text = ", ".join(f"{node} {weight / total:.0%}" for weight, node in parts)
+    return f"{text} of each global batch (since step {shares['step']})"
 
 
 def _progress_text(data: dict[str, Any] | None) -> str:

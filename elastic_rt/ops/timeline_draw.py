@@ -38,9 +38,11 @@ MARKERS = {
     "agent.fenced": ("D", "#9467bd", "fenced itself"),
     "job.finished": ("P", "#222222", "finished"),
     "spare": ("o", "#17becf", "waiting as a spare"),
+    "shares.rebalanced": ("*", "#bcbd22", "straggler's share cut"),
 }
 """Marker, colour and legend label by event name; ``spare`` is a ``node.waiting`` event
-whose reason is :data:`~elastic_rt.rendezvous.rounds.SPARE`."""
+whose reason is :data:`~elastic_rt.rendezvous.rounds.SPARE`; ``shares.rebalanced`` is
+drawn on the lane of the node given the smallest share."""
 LINES = {
     "node.lost": ("#d62728", "--"),
     "node.left": ("#ff7f0e", "--"),
@@ -225,7 +227,7 @@ def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
     for e in events:
         if _marked(e) not in MARKERS or (e.name == "worker.failed" and e.source != "agent"):
             continue
-        who = str(e.metadata.get("lost")) if e.name == "node.lost" else e.node
+        who = _lane_of(e)
         if who in lane and who not in waiting and e.timestamp_ms <= frame.end_ms:
             marker, colour, _label = MARKERS[_marked(e)]
             ax.plot(frame.x(e.timestamp_ms), lane[who], marker=marker, color=colour, ms=9,
@@ -234,6 +236,19 @@ def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
     ax.set_yticks(range(len(nodes)), labels)
     ax.set_ylim(-0.6, len(nodes) - 0.4)
     ax.set_ylabel("node")
+
+
+def _lane_of(event: Event) -> str | None:
+    """The node an event is drawn on: the one lost, the one given the smallest share (as
+    rank 0 saw it: every rank says the same), else the one that wrote it."""
+    if event.name == "node.lost":
+        return str(event.metadata.get("lost"))
+    if event.name == "shares.rebalanced":
+        weights = event.metadata.get("weights")
+        if event.rank != 0 or not weights:
+            return None
+        return str(min(zip(weights, event.metadata["nodes"]))[1])
+    return event.node
 
 
 def _marked(event: Event) -> str:

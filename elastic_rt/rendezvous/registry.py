@@ -19,6 +19,8 @@ Key layout under ``/elastic_rt/<run_id>/``:
 ``max_nodes``         the job's ``--nnodes`` maximum, written with it (nodes beyond are spares)
 ``layout``            JSON ``{"round", "layout"}`` of the current round, rank 0, fenced
 ``progress``          JSON ``{"round", "step", "steps_per_s", "ms"}``, rank 0, fenced
+``shares``            JSON ``{"round", "step", "nodes", "weights"}``: the batch split unevenly
+                      for stragglers (``worker/stragglers.py``), rank 0, fenced
 ``root_cause``        the last failure's :class:`~elastic_rt.root_cause.RootCause`
 ====================  ===========================================================
 

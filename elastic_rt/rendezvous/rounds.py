@@ -101,6 +101,19 @@ class Round:
         """Global rank of the node's first worker."""
         return sum(self.nprocs[: self.group_rank(node_id)])
 
+    def node_of_rank(self, rank: int) -> str:
+        """The member whose workers hold global ``rank``.
+
+        Raises:
+            ValueError: no rank of the round is ``rank``.
+        """
+        end = 0
+        for member, count in zip(self.members, self.nprocs):
+            end += count
+            if rank < end:
+                return member
+        raise ValueError(f"round {self.number} has no rank {rank}")
+
     def to_json(self) -> bytes:
         return json.dumps(
             {

@@ -69,6 +69,7 @@ from elastic_rt.errors import (
     RendezvousClosedError,
     RoundAbandoned,
     StateLostError,
+    StoreError,
     UserCodeError,
 )
 from elastic_rt.events import EventSink
@@ -105,6 +106,7 @@ from elastic_rt.worker.trainers import (
 from elastic_rt.worker.context import set_context
 from elastic_rt.worker.membership import Membership
 from elastic_rt.worker.static_membership import start_membership
+from elastic_rt.worker.stragglers import Balancer, Stragglers
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,7 @@ def run(
     clip_grad_norm: float | None = None,
     on_step: Callable[[StepReport], None] | None = None,
     peer_copy_every: int = 1,
+    stragglers: Stragglers = Stragglers(),
 ) -> Any:
     """Train ``max_steps`` steps elastically; returns this rank's final state.
 
@@ -158,6 +161,9 @@ def run(
             rank's shards and copy them to a rank on the next node every this many steps,
             so a node loss redoes at most this many steps without reading storage (0: off;
             see ``worker/peer_copies.py``).
+        stragglers: when a rank persistently slower than the others trains a smaller
+            share of the same global batch, and when it is evicted
+            (``worker/stragglers.py``; replicated data parallelism).
 
     Raises:
         ElasticError: recovery is impossible (budget spent, no round in time).
@@ -185,7 +191,7 @@ def run(
     loop = _ElasticLoop(
         checked, trainer=trainer, checkpoint=checkpoint, sampler=sampler,
         batches=BatchSource(dataset, sampler, loader or LoaderOptions(collate_fn=collate)),
-        on_step=on_step,
+        on_step=on_step, balancer=Balancer(stragglers),
     )  # fmt: skip
     return loop.run()
 
@@ -193,9 +199,10 @@ def run(
 class _ElasticLoop:
     def __init__(self, options: RunOptions, *, trainer: Trainer,
                  checkpoint: Checkpointer | None, sampler: ElasticSampler,
-                 batches: BatchSource, on_step: Callable[[StepReport], None] | None) -> None:
+                 batches: BatchSource, on_step: Callable[[StepReport], None] | None,
+                 balancer: Balancer) -> None:
         self.options, self.trainer, self.sampler = options, trainer, sampler
-        self.batches, self.on_step = batches, on_step
+        self.batches, self.on_step, self.balancer = batches, on_step, balancer
         self.env = WorkerEnv.from_env()
         use_worker_device(self.env.local_rank)  # cuda:LOCAL_RANK is current before build runs
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
@@ -206,6 +213,8 @@ class _ElasticLoop:
         """The round we train in; None before the first and between two rounds."""
         self.progress = Progress()
         self.sitting_out: tuple[int, ...] = ()
+        self._step_samples = 0
+        """This rank's samples in the step just trained (its speed's numerator)."""
         """Data-parallel ranks training no samples this step: their state is still landing."""
         self._restored_at = 0.0  # for state.landed: when the restore ended, what it moved
         self._streamed_bytes: int | None = None
@@ -312,6 +321,8 @@ class _ElasticLoop:
             # not make the next round train the step again (it loses only this report).
             global_loss = self._global_loss(joined, contribution) if self.on_step else None
             self._after_step(joined, local_loss, global_loss)
+            if self.balancer.record(self._step_samples, self.trainer.compute_seconds()):
+                self._rebalance(joined)
 
     # recovery phases --------------------------------------------------------------
     def reform_groups(self, round_: Round) -> JoinedRound:
@@ -364,7 +375,36 @@ class _ElasticLoop:
             self.sampler.set_world(training.index(ctx.dp_rank), len(training))
         else:
             self.sampler.set_world(ctx.dp_rank, ctx.dp_size)
+        self.balancer.reset()  # equal shares again: the speeds are measured anew
         self.batches.reset()  # batches prefetched for the old split are dropped
+
+    def _rebalance(self, joined: JoinedRound) -> None:
+        """A window ended on every rank at this step: re-split by speed, maybe evict."""
+        ctx, step = joined.ctx, self.progress.step
+        verdict = self.balancer.agree(joined.groups.dp, self.sampler.weights)
+        nodes = [joined.round.node_of_rank(dist.get_global_rank(joined.groups.dp, r))
+                 for r in range(ctx.dp_size)]
+        if verdict.weights != self.sampler.weights:
+            self.sampler.set_weights(verdict.weights)
+            self.batches.reset()
+            self.events.emit("shares.rebalanced", round=ctx.round, step=step, nodes=nodes,
+                             weights=verdict.weights,
+                             speeds=[round(v, 1) for v in verdict.speeds])
+            if self.publisher is not None and ctx.rank == 0:
+                value = {"round": ctx.round, "step": step, "nodes": nodes,
+                         "weights": verdict.weights}
+                self.publisher.commit("shares", json.dumps(value), ctx.token)
+        if verdict.evict is None or ctx.dp_rank != 0:
+            return
+        try:
+            evicted = self.membership.evict(nodes[verdict.evict])
+        except StoreError as exc:  # the next window asks again
+            logger.warning("could not evict the straggler %s: %s", nodes[verdict.evict], exc)
+            return
+        if evicted:
+            self.events.emit("node.evicted", round=ctx.round, step=step,
+                             evicted=nodes[verdict.evict], liveness="straggler",
+                             speed=round(verdict.speeds[verdict.evict], 1))
 
     def on_failure(self, round_: Round, exc: BaseException) -> None:
         self.progress.failed_attempts += 1
@@ -394,6 +434,7 @@ class _ElasticLoop:
         with user_code(rank=joined.ctx.rank, step=step):
             sits_out = joined.ctx.dp_rank in self.sitting_out
             micro_batches = [] if sits_out else self.batches.next_step()
+        self._step_samples = sum(size for _, size in micro_batches)
         return self.trainer.train(micro_batches, global_len=len(self.sampler.global_batch()),
                                   ctx=joined.ctx, step=step)
 

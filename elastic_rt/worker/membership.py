@@ -144,6 +144,21 @@ class RoundFollower:
         except StoreError as exc:
             logger.warning("could not raise the alarm: %s", exc)
 
+    def evict(self, node_id: str) -> bool:
+        """Revoke ``node_id``'s lease, as its agents' heartbeats do to a hung node: the
+        agents form a round without it, and its agent finds itself fenced and comes
+        back through standby. Whether it was registered (and so evicted now).
+
+        Raises:
+            StoreError: etcd did not answer.
+        """
+        info = self.registry.node(node_id)
+        if info is None:
+            return False
+        self.registry.evict(info)
+        logger.warning("evicted %s: its workers stayed too slow", node_id)
+        return True
+
     def announce(self) -> None:
         """Tell the agent we run in-process before we have joined any round."""
         self._write_ack(-1)
@@ -185,6 +200,8 @@ class Membership(Protocol):
     def store_address(self, round_: Round, timeout: timedelta) -> tuple[str, int] | None: ...
 
     def report_failure(self, round_: Round) -> None: ...
+
+    def evict(self, node_id: str) -> bool: ...
 
     def announce(self) -> None: ...
 

@@ -55,6 +55,10 @@ class StaticMembership:
     def report_failure(self, round_: Round) -> None:
         """Nobody to tell: the job ends with the failure (see :meth:`wait_for_round`)."""
 
+    def evict(self, node_id: str) -> bool:
+        """No agents to evict through: one fixed round (returns False)."""
+        return False
+
     def announce(self) -> None:
         """No agent reads acknowledgements."""
 

@@ -280,3 +280,24 @@ def test_works_as_a_dataloader_batch_sampler_with_worker_processes() -> None:
         state = ranks[0].state_dict()
     assert sorted(used) == list(range(23))
     assert state["epoch"] == 1 and state["step"] == 5
+
+
+@given(n=st.integers(0, 300), weights=st.lists(st.integers(1, 50), min_size=1, max_size=8))
+def test_weighted_shares_cover_the_batch_once_in_proportion(n: int, weights: list[int]) -> None:
+    bounds = [share_bounds(n, r, len(weights), tuple(weights)) for r in range(len(weights))]
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, no overlap
+    total = sum(weights)
+    for (start, end), weight in zip(bounds, weights):
+        assert abs((end - start) - n * weight / total) < 1 + 1e-9
+
+
+def test_a_straggler_gets_a_smaller_share_until_the_world_changes() -> None:
+    sampler = ElasticSampler(100, global_batch_size=12, shuffle=False)
+    sampler.set_world(2, 3)
+    sampler.set_weights((3, 3, 1))  # rank 2 is a third as fast
+    assert sampler.local_batch() == [10, 11] and sampler.weights == (3, 3, 1)
+    with pytest.raises(ValueError):
+        sampler.set_weights((1, 1))
+    sampler.set_world(1, 2)
+    assert sampler.weights is None and sampler.local_batch() == list(range(6, 12))

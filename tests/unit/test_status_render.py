@@ -51,3 +51,14 @@ def test_a_node_waiting_beside_a_full_round_is_a_spare() -> None:
     states = {n.node_id: n.state for n in status_from_keys("r", items, endpoint="e",
                                                            now_ms=0).nodes}
     assert states["c"] == "waiting"
+
+
+def test_an_uneven_split_of_the_current_round_names_the_stragglers() -> None:
+    current = Round(number=4, members=("a", "b", "c"), nprocs=(1, 1, 1), hosts=("h",) * 3)
+    shares = {"round": 4, "step": 80, "nodes": ["a", "b", "c"], "weights": [1000, 900, 300]}
+    items = _items(round=current.to_json(), shares=json.dumps(shares).encode())
+    text = render(status_from_keys("r", items, endpoint="e", now_ms=0))
+    assert "stragglers  c 14%, b 41%, a 45% of each global batch (since step 80)" in text
+    shares["round"] = 3  # an older round's split: this one splits evenly again
+    items = _items(round=current.to_json(), shares=json.dumps(shares).encode())
+    assert "stragglers" not in render(status_from_keys("r", items, endpoint="e", now_ms=0))

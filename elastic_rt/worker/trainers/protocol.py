@@ -121,6 +121,11 @@ class Trainer(Protocol):
     def is_step_atomic(self) -> bool:
         """Whether a step that raises leaves the state of the last committed step."""
 
+    def compute_seconds(self) -> float | None:
+        """The last step's own forward and backward, without waits on peers (a
+        straggler's measure, ``worker/stragglers.py``); None where collectives run
+        inside the forward and the two cannot be told apart."""
+
     def checkpoint_state(self) -> dict[str, Any]:
         """The tensors a checkpoint saves and loads into (by name, into any layout)."""
 

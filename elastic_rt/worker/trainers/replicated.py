@@ -200,6 +200,9 @@ class ReplicatedTrainer(TrainStateTrainer):
         self.stream, self._receiving = None, None
         super().release()
 
+    def compute_seconds(self) -> float | None:
+        return self.stepper.compute_seconds if self.stepper is not None else None
+
     def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
               step: int) -> tuple[float, float]:
         assert self.stepper is not None

@@ -20,6 +20,7 @@ a newcomer, and into checkpoints.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_rt.errors import ConfigError
-from elastic_rt.process_groups import abandoned_group_count
+from elastic_rt.process_groups import abandoned_group_count, release_abandoned
 from elastic_rt.worker.batches import to_device
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.failures import user_code
@@ -96,6 +97,9 @@ class ReplicatedStep:
         is_fp16 = options.autocast_dtype == torch.float16
         self.scaler = torch.amp.GradScaler(self.device_type) if is_fp16 else None
         self.buckets: GradientReducer | None = None
+        self.compute_seconds = 0.0
+        """The last step's forward and backward, up to the wait for the last bucket
+        (on CUDA, the host's side of it: kernels are timed only where they block)."""
 
     def bind(self, dp_group: dist.ProcessGroup | None,
              reducer: GradientReducer | None = None) -> None:
@@ -105,10 +109,13 @@ class ReplicatedStep:
         # The same buffers serve the new round only when no collective of an abandoned
         # round can still complete into them (its groups are all released): a hung peer
         # that wakes could otherwise finish an old all-reduce in the middle of a new step.
-        if (reducer is None and isinstance(self.buckets, GradientBuckets)
-                and abandoned_group_count() == 0):
-            self.buckets.rebind(dp_group)
-            return
+        # (asked again here: after the restore's agreement a dead peer's round has
+        # usually finished failing, which it had not yet when the groups were made)
+        if reducer is None and isinstance(self.buckets, GradientBuckets):
+            release_abandoned()
+            if abandoned_group_count() == 0:
+                self.buckets.rebind(dp_group)
+                return
         was_bound = self.buckets is not None
         self.unbind()
         if was_bound and reducer is None:
@@ -135,6 +142,7 @@ class ReplicatedStep:
             RuntimeError: a collective failed.
         """
         assert self.buckets is not None, "bind() first"
+        began = time.perf_counter()
         self.buckets.zero_grad()
         local_sum, contribution = 0.0, 0.0
         for i, (batch, size) in enumerate(micro_batches):
@@ -148,6 +156,7 @@ class ReplicatedStep:
             value = float(loss.detach())
             local_sum += value * size
             contribution += value * weight
+        self.compute_seconds = time.perf_counter() - began
         self.buckets.finish()
         before_update()
         self._apply_update()

@@ -32,6 +32,10 @@ class TrainStateTrainer:
     def is_step_atomic(self) -> bool:
         return True
 
+    def compute_seconds(self) -> float | None:
+        """None by default: a sharded model's forward waits on its all-gathers."""
+        return None
+
     def checkpoint_state(self) -> dict[str, Any]:
         """Model and optimizer state by parameter name; DTensors under FSDP/HSDP."""
         assert self.state is not None

@@ -82,6 +82,10 @@ class OwnedStepTrainer:
     def is_step_atomic(self) -> bool:
         return bool(getattr(self.state, "is_step_atomic", False))
 
+    def compute_seconds(self) -> float | None:
+        """None: the object's step runs its own collectives (pipeline sends, TP reduces)."""
+        return None
+
     def checkpoint_state(self) -> dict[str, Any]:
         return {"trainer": self.state}
 

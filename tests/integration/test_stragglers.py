@@ -1,0 +1,80 @@
+"""A straggler: one node's worker held to a quarter of a core mid-run.
+
+Three one-worker nodes train a model whose step is mostly compute. From step
+``LIMIT_AT`` node c's worker runs in a cgroup with a CPU quota of a quarter core,
+so every step waits for it. The runtime measures each rank's own compute time per
+window, moves samples from c to the others (the same global batch, split unevenly),
+and the job's steps per second come back to at least 85% of what they were before
+the limit. The final parameters are those of an uninterrupted one-node run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_rt.harness import REPO, child_env, wait_until
+from tests.fixtures.cpu_limit import cgroup_cpu_reason, cpu_quota
+from tests.fixtures.processes import ProcessTree
+from tests.integration.launch_helpers import events, exit_code, launch_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300),
+              pytest.mark.skipif(bool(cgroup_cpu_reason()), reason=cgroup_cpu_reason())]
+
+SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
+STEPS, LIMIT_AT = 260, 60
+MODEL = ("--width", "256", "--hidden", "1024", "--global-batch", "96")
+
+
+def _node(tree: ProcessTree, endpoint: str, run_id: str, tmp: Path, name: str, nnodes: str):
+    args = launch_args(endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name)
+    script = [SCRIPT, "--steps", str(STEPS), "--out", str(tmp / "params.pt"), *MODEL]
+    return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
+
+
+def _times(log: Path) -> dict[int, int]:
+    """When rank 0 completed each step (ms)."""
+    return {e.step: e.timestamp_ms for e in events(log)
+            if e.name == "step.completed" and e.rank == 0 and e.step is not None}
+
+
+def _rate(times: dict[int, int], first: int, last: int) -> float:
+    return (last - first) / ((times[last] - times[first]) / 1000)
+
+
+def test_a_node_held_to_a_quarter_core_gets_less_of_the_batch_and_the_job_its_pace_back(
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "events.jsonl"
+    nodes = {n: _node(process_tree, etcd_server.endpoint, run_id, tmp_path, n, "3")
+             for n in "abc"}
+    wait_until(lambda: max(_times(log), default=0) >= LIMIT_AT, 180, f"step {LIMIT_AT}")
+    with cpu_quota(0.25) as limited:
+        for worker in process_tree.tree(nodes["c"].pid)[1:]:
+            limited.append(worker.pid)
+        for name in "abc":
+            assert exit_code(nodes[name], 240, tmp_path / f"{name}.log", log) == 0
+
+    times = _times(log)
+    before = _rate(times, 20, LIMIT_AT)
+    after = _rate(times, STEPS - 80, STEPS)
+    rebalanced = [e for e in events(log) if e.name == "shares.rebalanced" and e.rank == 0]
+    assert rebalanced, "no rebalancing"
+    last = rebalanced[-1].metadata
+    share = dict(zip(last["nodes"], last["weights"]))
+    assert share["c"] < 0.6 * min(share["a"], share["b"]), share
+    assert after >= 0.85 * before, f"{after:.1f} steps/s after the limit, {before:.1f} before"
+
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    reference = _node(process_tree, etcd_server.endpoint, run_id + "-ref", reference_dir,
+                      "solo", "1")
+    assert reference.wait(timeout=120) == 0
+    got, want = torch.load(tmp_path / "params.pt"), torch.load(reference_dir / "params.pt")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0)
+    steps = sorted(e.step for e in events(log) if e.name == "step.completed" and e.node == "a"
+                   and e.step is not None)
+    assert steps == list(range(1, STEPS + 1))
