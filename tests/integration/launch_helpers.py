@@ -7,9 +7,10 @@ import subprocess
 from pathlib import Path
 
 from elastic_rt.events import Event, read_events
-from elastic_rt.harness import REPO
+from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env
 
 TORCHRUN_SCRIPT = str(REPO / "scripts" / "examples" / "torchrun_ddp.py")
+TRAIN_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
 
 
 def launch_args(endpoint: str, run_id: str, nnodes: str, events: Path, *, node_id: str,
@@ -62,3 +63,20 @@ def exit_code(node: subprocess.Popen[bytes], timeout: float, log: Path, events_f
                 f"{json.dumps(e.metadata)[:160]}" for e in events(events_file)[-40:]]
         raise AssertionError(f"{log.stem} still runs after {timeout:.0f} s\n--- its log:\n"
                              f"{tail}\n--- the run's last events:\n" + "\n".join(last)) from None
+
+
+def train_node(tree: ProcessLedger, endpoint: str, run_id: str, tmp: Path, name: str,
+               nnodes: str, *script_args: str,
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """One ``elastic-rt launch`` node of ``elastic_train.py`` writing ``tmp``'s event log,
+    log file (``<name>.log``) and final parameters (``params.pt``)."""
+    args = launch_args(endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name)
+    script = [TRAIN_SCRIPT, "--out", str(tmp / "params.pt"), *script_args]
+    return tree.start([PYTHON, "-m", "elastic_rt.cli", *args, *script],
+                      env=env or child_env(), log=str(tmp / f"{name}.log"))
+
+
+def latest_step(events_file: Path) -> int:
+    """The newest step any worker completed (0 before the first)."""
+    return max((e.step or 0 for e in events(events_file) if e.name == "step.completed"),
+               default=0)

@@ -15,27 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_rt.harness import REPO, child_env, wait_until
+from elastic_rt.harness import wait_until
 from elastic_rt.rendezvous.rounds import SPARE
 from tests.fixtures.processes import ProcessTree
-from tests.integration.launch_helpers import events, exit_code, launch_args
+from tests.integration.launch_helpers import events, exit_code, latest_step, train_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
-SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
 STEPS = 300
 
 
 def _node(tree: ProcessTree, endpoint: str, run_id: str, tmp: Path, name: str, nnodes: str):
-    args = launch_args(endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name)
-    script = [SCRIPT, "--steps", str(STEPS), "--out", str(tmp / "params.pt"),
-              "--step-time", "0.05"]
-    return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
-
-
-def _step(tmp: Path) -> int:
-    return max((e.step or 0 for e in events(tmp / "events.jsonl") if e.name == "step.completed"),
-               default=0)
+    return train_node(tree, endpoint, run_id, tmp, name, nnodes, "--steps", str(STEPS),
+                      "--step-time", "0.05")
 
 
 def test_a_spare_replaces_a_lost_member_without_the_job_shrinking(
@@ -47,7 +39,7 @@ def test_a_spare_replaces_a_lost_member_without_the_job_shrinking(
                       "solo", "1")
     nodes = {n: _node(process_tree, etcd_server.endpoint, run_id, tmp_path, n, "2:2")
              for n in "ab"}
-    wait_until(lambda: _step(tmp_path) >= 10, 180, "step 10")
+    wait_until(lambda: latest_step(tmp_path / "events.jsonl") >= 10, 180, "step 10")
     nodes["c"] = _node(process_tree, etcd_server.endpoint, run_id, tmp_path, "c", "2:2")
     log = tmp_path / "events.jsonl"
     wait_until(lambda: any(e.name == "node.waiting" and e.node == "c"

@@ -15,23 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_rt.harness import REPO, child_env, wait_until
+from elastic_rt.harness import wait_until
 from tests.fixtures.cpu_limit import cgroup_cpu_reason, cpu_quota
 from tests.fixtures.processes import ProcessTree
-from tests.integration.launch_helpers import events, exit_code, launch_args
+from tests.integration.launch_helpers import events, exit_code, train_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300),
               pytest.mark.skipif(bool(cgroup_cpu_reason()), reason=cgroup_cpu_reason())]
 
-SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
 STEPS, LIMIT_AT = 260, 60
 MODEL = ("--width", "256", "--hidden", "1024", "--global-batch", "96")
 
 
 def _node(tree: ProcessTree, endpoint: str, run_id: str, tmp: Path, name: str, nnodes: str):
-    args = launch_args(endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name)
-    script = [SCRIPT, "--steps", str(STEPS), "--out", str(tmp / "params.pt"), *MODEL]
-    return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
+    return train_node(tree, endpoint, run_id, tmp, name, nnodes, "--steps", str(STEPS), *MODEL)
 
 
 def _times(log: Path) -> dict[int, int]:
