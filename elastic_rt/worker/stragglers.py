@@ -9,14 +9,19 @@ Rule, every ``window`` steps, on every data-parallel rank at the same step::
 
     all-gather (samples, compute seconds) of the window   one collective of 2 floats a rank
     max(t) / min(t) <= factor                             shares stay as they are
-    else shares ∝ samples / seconds (each rank's speed)   the sampler re-splits the batch
+    else shares ∝ samples / seconds (each rank's speed),  the sampler re-splits the batch
+         none below min_share of the fastest one's
          within 5 % of equal shares                       back to equal shares
-    a rank below median speed / evict_factor for          its node is evicted like a hung
-    evict_windows windows in a row                        one, and rejoins through standby
+    a rank at that floor whose t is still evict_factor    its node is evicted like a hung
+    times the median's, evict_windows windows in a row    one, and rejoins through standby
 
 ``t`` is a rank's own forward and backward per step (the trainer's
-``compute_seconds``), not its waits on peers; the proportional rule converges to equal
-compute times whatever a step's fixed overhead (its fixed point is t equal on every rank).
+``compute_seconds``), not its waits on peers. Where t grows with the samples, the
+proportional rule settles at equal compute times (that is its fixed point). Where part
+of t is fixed (rank 0's store and checkpoint threads, a user's per-step sleep), cutting
+the share does not shorten it, and the rule would cut on to nothing: the floor stops it,
+and eviction judges time per step at the floor, never the speed that a cut share lowers
+(at equal shares a rank's speed there looked 5x the median's after a few windows).
 Exact: the sampler only moves the boundaries between the ranks' parts of the same global
 batch, and each rank's loss is weighted by its share (``worker/grad_sync.py``).
 
@@ -52,17 +57,23 @@ class Stragglers:
     factor: float = 1.2
     """Rebalance once the slowest rank's compute time per step is this many times the
     fastest one's."""
-    evict_factor: float = 8.0
-    """Evict a rank whose speed stays below the median's divided by this; 0: never."""
+    min_share: float = 0.25
+    """No rank's share falls below this fraction of the fastest rank's."""
+    evict_factor: float = 2.0
+    """Evict a rank that, at the ``min_share`` floor, still takes this many times the
+    median rank's compute time per step (so at least ``evict_factor / min_share`` times
+    slower per sample: 8x by default); 0: never."""
     evict_windows: int = 3
     """How many windows in a row a rank must be that slow to be evicted."""
 
     def __post_init__(self) -> None:
-        if self.window < 0 or self.factor <= 1 or self.evict_factor < 0 or self.evict_windows < 1:
+        if (self.window < 0 or self.factor <= 1 or not 0 < self.min_share <= 1
+                or self.evict_factor < 0 or self.evict_windows < 1):
             raise ConfigError(
-                f"stragglers={self} needs window >= 0, factor > 1, evict_factor >= 0 and "
-                "evict_windows >= 1",
-                "For example Stragglers(window=20, factor=1.2, evict_factor=8, evict_windows=3).")
+                f"stragglers={self} needs window >= 0, factor > 1, 0 < min_share <= 1, "
+                "evict_factor >= 0 and evict_windows >= 1",
+                "For example Stragglers(window=20, factor=1.2, min_share=0.25, "
+                "evict_factor=2, evict_windows=3).")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,31 +90,35 @@ class Verdict:
 
 def plan(samples: Sequence[float], seconds: Sequence[float], current: tuple[int, ...] | None,
          slow_windows: list[int], options: Stragglers) -> Verdict:
-    """Pure: the shares after a window, from every rank's samples and compute seconds.
+    """Pure: the shares after a window, from every rank's samples and compute seconds
+    under the ``current`` shares.
 
-    ``slow_windows`` counts, per rank, the windows in a row it was evict-slow; it is
-    updated in place.
+    ``slow_windows`` counts, per rank, the windows in a row it was too slow at the
+    floor; it is updated in place.
     """
     speeds = tuple(n / t if t > 0 and n > 0 else 0.0 for n, t in zip(samples, seconds))
-    timed = [t for t in seconds if t > 0]
+    floor = max(1, round(options.min_share * WEIGHT_SCALE))
     weights = current
-    if len(timed) == len(seconds) and max(timed) > options.factor * min(timed):
+    if min(seconds) > 0 and max(seconds) > options.factor * min(seconds):
         top = max(speeds)
-        proposed = tuple(max(1, round(WEIGHT_SCALE * s / top)) for s in speeds)
+        proposed = tuple(max(floor, round(WEIGHT_SCALE * s / top)) for s in speeds)
         is_equal = max(proposed) <= (1 + EQUAL_WITHIN) * min(proposed)
         weights = None if is_equal else proposed
-    return Verdict(weights, speeds, _to_evict(speeds, slow_windows, options))
+    at_floor = [current is not None and w <= floor * max(current) / WEIGHT_SCALE
+                for w in (current or [0] * len(seconds))]
+    return Verdict(weights, speeds, _to_evict(seconds, at_floor, slow_windows, options))
 
 
-def _to_evict(speeds: tuple[float, ...], slow_windows: list[int],
+def _to_evict(seconds: Sequence[float], at_floor: list[bool], slow_windows: list[int],
               options: Stragglers) -> int | None:
-    measured = [s for s in speeds if s > 0]
-    if not options.evict_factor or len(measured) < 3:  # a median needs a majority
+    """The rank that stayed at the floor share and still ``evict_factor`` times the median
+    rank's time for ``evict_windows`` windows in a row, if any."""
+    if not options.evict_factor or len(seconds) < 3:  # a median needs a majority
         return None
-    floor = statistics.median(measured) / options.evict_factor
-    for rank, speed in enumerate(speeds):
-        slow_windows[rank] = slow_windows[rank] + 1 if 0 < speed < floor else 0
-    worst = max(range(len(speeds)), key=lambda r: slow_windows[r])
+    limit = options.evict_factor * statistics.median(seconds)
+    for rank, (spent, floored) in enumerate(zip(seconds, at_floor)):
+        slow_windows[rank] = slow_windows[rank] + 1 if floored and spent > limit else 0
+    worst = max(range(len(seconds)), key=lambda r: slow_windows[r])
     return worst if slow_windows[worst] >= options.evict_windows else None
 
 

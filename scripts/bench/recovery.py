@@ -39,6 +39,9 @@ inproc-fence       node c is SIGSTOPped until its lease expires and the others
                    and comes back (the fault's time is the SIGCONT)
 inproc-worker-min  ``--nnodes 3:3``: the job is at its minimum node count, so
                    node c cannot step out; SIGKILL of its worker process group
+inproc-spare       inproc-kill with a fourth node ``d`` started beyond ``--nnodes``
+                   MAX: it waits as a hot spare and the round that drops c admits it
+                   (the job never shrinks)
 inproc-fsdp-kill   inproc-kill with the state sharded over the three ranks (FSDP2,
                    ``--max-shard 3``, peer copies every step): ``--state-mb`` is then the
                    job's whole state, a third of it per rank, and the survivors restore
@@ -111,11 +114,13 @@ from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV
 from elastic_rt.etcd_server import EtcdServer, free_port
 from elastic_rt.events import read_events
 from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env, wait_until
+from elastic_rt.rendezvous.rounds import SPARE
 
 ELASTIC_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
 TORCHRUN_SCRIPT = str(REPO / "scripts" / "examples" / "torchrun_ddp.py")
 NODES = ("a", "b", "c")
 VICTIM = "c"
+SPARE_NODE = "d"
 FAST_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,close_timeout=1"
 FAST_MONITOR = 0.1
 STATE_BYTES_PER_PARAM = 12  # float32 weights and AdamW's two moments
@@ -140,6 +145,8 @@ class Case:
     """elastic-rt ``--nnodes MIN:3``."""
     script_flags: tuple[str, ...] = ()
     """More flags for the training script."""
+    spare: bool = False
+    """A fourth node, beyond ``--nnodes`` MAX, waits as a spare and replaces the victim."""
 
 
 def cases(args: argparse.Namespace) -> dict[str, Case]:
@@ -159,6 +166,8 @@ def cases(args: argparse.Namespace) -> dict[str, Case]:
         Case("restart-join", "elastic", False, "join", "-"),
         Case("inproc-fence", "elastic", True, "fence", "pause <= 1.0 s"),
         Case("inproc-worker-min", "elastic", True, "worker-kill", "<= 1.5 s", min_nodes=3),
+        Case("inproc-spare", "elastic", True, "node-kill", "pause <= 0.3 s beyond a step",
+             spare=True),
         Case("inproc-fsdp-kill", "elastic", True, "node-kill",
              "<= 1.5 s beyond a step, <= 1 redone (peer copies)",
              script_flags=("--max-shard", str(len(NODES)))),
@@ -229,6 +238,8 @@ class Job:
         for node in NODES:
             if node != VICTIM or self.case.fault != "join":
                 self._start_node(node)
+        if self.case.spare:
+            self._start_node(SPARE_NODE)
 
     def _start_node(self, node: str) -> float:
         stamp = time.time()
@@ -305,6 +316,11 @@ class Job:
         self.start()
         self._until(lambda: max((r.step for r in self.poll()), default=0) >= a.kill_step,
                     a.start_timeout, f"step {a.kill_step}")
+        if self.case.spare:
+            self._until(lambda: any(e.name == "node.waiting" and e.node == SPARE_NODE
+                                    and e.metadata.get("reason") == SPARE
+                                    for e in read_events(str(self.events))),
+                        a.start_timeout, "the spare registered and waiting")
         victim_tree = self.procs.tree(self.nodes[VICTIM]) if VICTIM in self.nodes else []
         old_pids = {p.pid for pid in self.nodes.values() for p in self.procs.tree(pid)}
         fault_round = max((r.round or 0) for r in self.poll())
