@@ -238,8 +238,6 @@ class Job:
         for node in NODES:
             if node != VICTIM or self.case.fault != "join":
                 self._start_node(node)
-        if self.case.spare:
-            self._start_node(SPARE_NODE)
 
     def _start_node(self, node: str) -> float:
         stamp = time.time()
@@ -316,7 +314,8 @@ class Job:
         self.start()
         self._until(lambda: max((r.step for r in self.poll()), default=0) >= a.kill_step,
                     a.start_timeout, f"step {a.kill_step}")
-        if self.case.spare:
+        if self.case.spare:  # started once the round is full: it can only be a spare
+            self._start_node(SPARE_NODE)
             self._until(lambda: any(e.name == "node.waiting" and e.node == SPARE_NODE
                                     and e.metadata.get("reason") == SPARE
                                     for e in read_events(str(self.events))),
