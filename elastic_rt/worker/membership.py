@@ -74,13 +74,14 @@ class RoundFollower:
         """
         deadline = time.monotonic() + 120
         while self.env.round < 0 or time.monotonic() < deadline:
+            self._changed.clear()  # set by the watch when a round key changes: read again
             current = self.registry.current_round()
             if current is not None and current.number >= self.env.round and self._in(current):
                 return current
             if self.env.round < 0 and (closed := self.registry.closed_reason()) is not None:
                 raise RendezvousClosedError(f"the job was closed before this worker had a "
                                             f"rank: {closed}")
-            self._changed.wait(0.2)
+            self._changed.wait(5.0 if self.env.round < 0 else 0.2)  # a spare may wait hours
         raise RendezvousTimeoutError(f"round {self.env.round} not found in etcd",
                                      "Restart the job.")
 
