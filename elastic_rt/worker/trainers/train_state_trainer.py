@@ -11,6 +11,7 @@ from typing import Any
 
 from elastic_rt.layout import Layout
 from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.context import Context
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.checkpoint_restore import named_state
 from elastic_rt.worker.trainers.meta import TrainMeta
@@ -40,6 +41,9 @@ class TrainStateTrainer:
     def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
         return TrainMeta.capture(step=step, sampler=sampler, state=self.state,
                                  stepper=self.stepper)
+
+    def hand_over(self, ctx: Context, step: int) -> None:
+        """Nothing: every replica holds the whole state of the step (see the sharded family)."""
 
     def release(self) -> None:
         if self.stepper is not None:
