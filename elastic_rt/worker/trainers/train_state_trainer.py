@@ -46,5 +46,8 @@ class TrainStateTrainer:
         """Nothing: every replica holds the whole state of the step (see the sharded family)."""
 
     def release(self) -> None:
+        """The round's groups go; the gradient buckets stay for the next round (a re-form
+        that allocated them anew cost the survivors one model's worth of zero-filled
+        memory and its page faults in every restore: 133 MB and 0.1 s at 33M parameters)."""
         if self.stepper is not None:
-            self.stepper.unbind()
+            self.stepper.release_group()
