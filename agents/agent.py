@@ -280,6 +280,8 @@ class Agent:
                        notice.source, f": {notice.detail}" if notice.detail else "")
         record = {"source": notice.source, "detail": notice.detail, "since_ms": _now_ms(),
                   "deadline_ms": action.deadline_ms, "at_boundary": action.at_boundary}
+        if self.keeper.lease_id is None:
+            return  # not registered: nothing to show, and a record without a lease would stay
         try:
             self.registry.announce_leaving(self.info.node_id, record, self.keeper.lease_id)
         except StoreError as exc:  # status only: leaving does not depend on it

@@ -81,7 +81,9 @@ class NoticeSource:
     target: str
 
     def describe(self) -> str:
-        return self.target if self.kind == "http" else f"{self.kind}:{self.target}"
+        """As the flag would say it: the URL, ``file:PATH`` or ``cmd:COMMAND``."""
+        prefix = {"http": "", "file": "file:", "command": "cmd:"}[self.kind]
+        return f"{prefix}{self.target}"
 
 
 # pure: what the flag says, and what an answer says ------------------------------------
