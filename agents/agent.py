@@ -9,8 +9,11 @@ the peers, claim and count a failure. What an action did comes back to the polic
 as an observation; the agent never changes its state itself.
 
 A node that cannot renew its lease stops its workers before the TTL runs out
-(self-fencing, from the lease thread) and joins again once etcd answers. SIGTERM
-or SIGINT makes a graceful leave: workers stopped, lease revoked, peers re-form.
+(self-fencing, from the lease thread) and joins again once etcd answers. SIGTERM,
+SIGINT or a preemption notice (``--preemption-notice``, :mod:`agents.preemption`) makes
+the node leave at its workers' next step boundary when they recover in place, else at
+once (a second signal too): lease revoked, workers stopped, peers re-form
+(:mod:`agents.policy.leaving`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from agents.inbox import Inbox
 from agents.local_workers import LocalWorkers
 from agents.metrics import MetricsServer, NodeMetrics
 from agents.policy import AgentState, Observation
+from agents.preemption import NoticePoller
 from agents.round_io import agree_on_store, propose_round, report_root_cause
 from agents.run_watch import RunWatch
 from agents.worker_state import WorkerExit
@@ -64,6 +68,9 @@ class Agent:
         self.heartbeat = Heartbeat(self.registry, config.node_id, config.heartbeat, self.events,
                                    on_evicted=self.inbox.changed)
         self.driver = Driver(self.settings)
+        self.notices = (NoticePoller(config.preemption_notice, self.inbox.preempted,
+                                     every=config.preemption_poll.total_seconds())
+                        if config.preemption_notice is not None else None)
         self.metrics = (NodeMetrics(rdzv.run_id, config.node_id, max_restarts=config.max_restarts)
                         if config.metrics_port is not None else None)
         self._metrics_server: MetricsServer | None = None
@@ -80,6 +87,8 @@ class Agent:
             RendezvousTimeoutError: too few nodes joined within the join timeout.
         """
         self.inbox.leave_on_signals()
+        if self.notices is not None:
+            self.notices.start()
         self._started = time.monotonic()
         if self.metrics is not None and self.config.metrics_port is not None:
             self._metrics_server = MetricsServer(self.metrics, self.config.events_file or "",
@@ -93,6 +102,8 @@ class Agent:
                 if code is not None:
                     return code
         finally:
+            if self.notices is not None:
+                self.notices.stop()
             self.heartbeat.stop()
             self.watch.close()
             self.workers.close()
@@ -171,10 +182,12 @@ class Agent:
         snapshot, store_error = (None, False) if leave_signal is not None or not read else (
             self.watch.read(self.state, self.settings))
         workers, exits = self.workers.poll()
+        notice = self.inbox.notice
         return Observation(
             now=time.monotonic(), now_ms=_now_ms(), snapshot=snapshot, store_error=store_error,
             workers=workers, exits=tuple(exits), acks=self.workers.acks(),
-            waited=time.monotonic() - self._started, leave_signal=leave_signal,
+            waited=time.monotonic() - self._started, leave_signal=leave_signal, notice=notice,
+            left=self.workers.left() if notice is not None else (),
         )  # fmt: skip
 
     # the hands: each action, carried out (see agents.dispatch) -----------------------
@@ -210,7 +223,7 @@ class Agent:
         """Start workers outside any round; register only once they are imported."""
         self.workers.start_standby(action.restart_count, first=action.first)
         self.workers.wait_announced(self.config.reform_timeout.total_seconds(),
-                                    give_up=lambda: self.inbox.leave_signal is not None,
+                                    give_up=lambda: self.inbox.wants_to_leave,
                                     sleep=self.inbox.sleep)
         if action.register:
             self.keeper = self._lease_keeper()
@@ -255,6 +268,48 @@ class Agent:
         self.propose(action.proposal)
         return policy.ReformWritten(action.proposal.proposal.round, action.why,
                                     self.registry.current_round(), _now_ms())
+
+    def announce_leave(self, action: policy.AnnounceLeave) -> None:
+        """The workers first (they leave after the step they are in), then the events and
+        the run's ``leaving/<node>`` record for ``elastic-rt status``."""
+        notice = action.notice
+        if action.at_boundary:
+            self.workers.tell_to_leave(notice.source)
+        round_ = self.state.round
+        self.events.emit("node.preempting", round=round_.number if round_ else None,
+                         source=notice.source, detail=notice.detail,
+                         deadline_ms=action.deadline_ms, notice_deadline_ms=notice.deadline_ms,
+                         at_boundary=action.at_boundary)
+        logger.warning("node %s leaves %s (%s%s)", self.info.node_id,
+                       "after its workers' next step" if action.at_boundary else "now",
+                       notice.source, f": {notice.detail}" if notice.detail else "")
+        record = {"source": notice.source, "detail": notice.detail, "since_ms": _now_ms(),
+                  "deadline_ms": action.deadline_ms, "at_boundary": action.at_boundary}
+        if self.keeper.lease_id is None:
+            return  # not registered: nothing to show, and a record without a lease would stay
+        try:
+            self.registry.announce_leaving(self.info.node_id, record, self.keeper.lease_id)
+        except StoreError as exc:  # status only: leaving does not depend on it
+            logger.warning("could not record the leave in etcd: %s", exc)
+
+    def leave_at_boundary(self, action: policy.LeaveAtBoundary) -> policy.LeaveWritten:
+        """Write the round without us and drop our registration, in one transaction."""
+        began = time.monotonic()
+        try:
+            written = self.registry.leave(action.proposal, self.info.node_id)
+            current = written or self.registry.current_round()
+        except StoreError as exc:
+            logger.warning("could not write the round without %s: %s", self.info.node_id, exc)
+            written = current = None
+        if written is not None:
+            self.events.emit(
+                "round.formed", round=written.number, world_size=written.world_size,
+                members=list(written.members), reason=written.reason,
+                duration_ms=int((time.monotonic() - began) * 1000),
+            )  # fmt: skip
+            logger.info("round %d formed without %s (%s)", written.number, self.info.node_id,
+                        written.reason)
+        return policy.LeaveWritten(written, current, action.step, time.monotonic(), _now_ms())
 
     def succeed(self, action: policy.Succeed) -> Exited:
         """Every local worker succeeded: mark the job completing and leave."""
@@ -333,21 +388,31 @@ class Agent:
         """Stop the workers and end the agent with the outcome's exit code."""
         outcome = action.outcome
         if isinstance(outcome, policy.Left):
-            name = signal.Signals(outcome.signum).name
-            # Revoke first: peers re-form without waiting out our workers' grace period,
-            # and a peer whose collective breaks as ours stop finds us unregistered, so
-            # it counts a membership change, not a failure against the restart budget.
-            self.keeper.stop(revoke=True)
-            self.workers.stop()
-            self.events.emit("node.left", signal=name)
-            logger.info("node %s left on %s", self.info.node_id, name)
-            return Exited(policy.exit_code(outcome))
+            return self._leave(outcome)
         exits = self.workers.stop()
         reason = policy.closed_record(outcome)
         if isinstance(outcome, policy.Failed):
             self._report_raised(exits)
             logger.error("job stopped: %s", reason)
         self.events.emit("agent.exited", reason=reason, exitcode=policy.exit_code(outcome))
+        return Exited(policy.exit_code(outcome))
+
+    def _leave(self, outcome: policy.Left) -> Exited:
+        """Revoke first: peers re-form without waiting out our workers' grace period, and
+        a peer whose collective breaks as ours stop finds us unregistered, so it counts a
+        membership change, not a failure against the restart budget. After a leave at a
+        step boundary the round without us is already written and our workers are
+        exiting by themselves."""
+        name = signal.Signals(outcome.signum).name if outcome.signum is not None else None
+        self.keeper.stop(revoke=True)
+        self.workers.stop()
+        round_ = self.state.round
+        self.events.emit("node.left", round=round_.number if round_ else None, step=outcome.step,
+                         signal=name, source=outcome.source or name,
+                         at_boundary=outcome.step is not None, why=outcome.why or None)
+        logger.info("node %s left (%s)%s%s", self.info.node_id, outcome.source or name,
+                    f" after step {outcome.step}" if outcome.step is not None else "",
+                    f": {outcome.why}" if outcome.why else "")
         return Exited(policy.exit_code(outcome))
 
     def _report_raised(self, exits: list[WorkerExit]) -> None:

@@ -9,10 +9,13 @@ from datetime import timedelta
 
 from agents.output import OutputSpec
 from agents.policy import Settings
+from agents.preemption import NoticeSource
 from elastic_rt.config import (
     DEFAULT_HANG_FACTOR,
+    DEFAULT_LEAVE_TIMEOUT,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_MONITOR_INTERVAL,
+    DEFAULT_PREEMPTION_POLL,
     DEFAULT_REFORM_TIMEOUT,
     HeartbeatConfig,
     RendezvousConfig,
@@ -49,6 +52,12 @@ class AgentConfig:
     """How this node watches its ring neighbour (``ELASTIC_RT_HEARTBEAT_*``)."""
     output: OutputSpec = OutputSpec()
     """torchrun's --log-dir, --redirects, --tee, --local-ranks-filter and --role."""
+    preemption_notice: NoticeSource | None = None
+    """Where to look for a preemption notice (``--preemption-notice``); None: signals only."""
+    preemption_poll: timedelta = DEFAULT_PREEMPTION_POLL
+    """Between two looks at ``preemption_notice``."""
+    leave_timeout: timedelta = DEFAULT_LEAVE_TIMEOUT
+    """From SIGTERM or a notice to leaving at once, if no step boundary came first."""
 
     def join_timed_out(self, registered: int | None) -> RendezvousTimeoutError:
         """``registered``: None when etcd could not say how many nodes are there."""
@@ -73,4 +82,5 @@ class AgentConfig:
             reform_timeout=self.reform_timeout,
             max_restarts=self.max_restarts,
             nproc=self.nproc_per_node,
+            leave_timeout=self.leave_timeout,
         )  # fmt: skip

@@ -20,7 +20,7 @@ from agents.policy import acks_in_process
 from agents.processes import WorkerGroup
 from agents.worker_env import process_env, round_envs, standby_envs
 from agents.worker_state import WorkerExit, WorkerState
-from elastic_rt.acks import read_acks
+from elastic_rt.acks import read_acks, read_left, write_leave_note
 from elastic_rt.childproc import owned_temp_dir
 from elastic_rt.config import WorkerEnv
 from elastic_rt.events import EventSink
@@ -123,6 +123,14 @@ class LocalWorkers:
 
     def acks(self) -> tuple[int | None, ...]:
         return read_acks(self.agent_dir, self.group.pids)
+
+    def left(self) -> tuple[int | None, ...]:
+        """Per worker: the step after which it left at a boundary (its node leaving), or None."""
+        return read_left(self.agent_dir, self.group.pids)
+
+    def tell_to_leave(self, source: str) -> None:
+        """The workers leave after their next step, every rank at the same one."""
+        write_leave_note(self.agent_dir, source)
 
     def in_process(self) -> bool:
         return acks_in_process(self.acks())

@@ -42,6 +42,8 @@ def recovery_cause(round_: Round) -> str:
         return "start"
     if reason.startswith("lost "):
         return "node_lost"
+    if reason.startswith("left "):
+        return "node_left"
     if reason.startswith("admitting "):
         return "node_joined"
     if reason.startswith("paused"):

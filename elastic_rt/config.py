@@ -56,6 +56,8 @@ HANG_FACTOR_ENV = "ELASTIC_RT_HANG_FACTOR"
 MAX_NODES_ENV = "ELASTIC_RT_MAX_NODES"
 HEARTBEAT_INTERVAL_ENV = "ELASTIC_RT_HEARTBEAT_INTERVAL_SEC"
 HEARTBEAT_MISSES_ENV = "ELASTIC_RT_HEARTBEAT_MISSES"
+PREEMPTION_POLL_ENV = "ELASTIC_RT_PREEMPTION_POLL_SEC"
+"""Seconds between two looks at the ``--preemption-notice`` source (default 0.5)."""
 BACKEND_ENV = "ELASTIC_RT_BACKEND"
 """``gloo`` or ``nccl``: the backend of a round's groups; unset, NCCL exactly when CUDA is
 present (see :mod:`elastic_rt.accelerator`). Read by workers from the inherited environment."""
@@ -72,6 +74,11 @@ DEFAULT_HANG_FACTOR = 10.0
 DEFAULT_REFORM_TIMEOUT = timedelta(seconds=120)
 """In-process workers that have not joined a new round by then are restarted."""
 DEFAULT_HEARTBEAT_INTERVAL = timedelta(seconds=0.1)
+DEFAULT_LEAVE_TIMEOUT = timedelta(seconds=20)
+"""From SIGTERM or a preemption notice to leaving at once when no step boundary came first
+(Kubernetes' default grace period is 30 s; GCP and Azure warn about 30 s ahead)."""
+DEFAULT_PREEMPTION_POLL = timedelta(seconds=0.5)
+"""Between two looks at a ``--preemption-notice`` source."""
 DEFAULT_HEARTBEAT_MISSES = 4
 """A peer silent for 4 x 0.1 s is evicted; measured on a loaded box (agents/heartbeat.py)."""
 

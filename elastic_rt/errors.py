@@ -83,6 +83,16 @@ class NewerRound(RoundChange):
     one instead. Retryable; the groups are released, not abandoned (nothing failed)."""
 
 
+class NodeLeaving(RoundChange):
+    """This rank's node leaves at this step boundary (its agent took a preemption notice or
+    SIGTERM), and every rank knows it: the state is handed over, the worker ends. Not a
+    failure; never reaches the user's code."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        super().__init__(f"this node leaves after step {step}")
+
+
 class RoundAbandoned(RoundChange):
     """A newer round dropped a member of ours while we waited on a collective
     (``worker/abort.py``). Retryable: the loop abandons the round's groups, as after a

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 EVENT_NAMES = frozenset(
     {
         "node.joined",
+        "node.preempting",
         "node.left",
         "node.lost",
         "node.evicted",
@@ -36,6 +37,7 @@ EVENT_NAMES = frozenset(
         "step.retried",
         "step.resumed",
         "step.completed",
+        "leave.agreed",
         "step.failed",
         "step.stalled",
         "checkpoint.committed",

@@ -17,11 +17,13 @@ clock, touches etcd or starts a process, so every rule is a table test
 - ``actions``: what to do, and the :class:`Decision` that carries it.
 - ``running``: the loop's look (join, run, follow or leave a round).
 - ``failures``: settling a failure or an alarm; root-cause rules.
+- ``leaving``: leaving on notice, at the workers' next step boundary when they can.
 - ``outcomes``: how the agent ends (:func:`exit_code` is the only source of one).
 """
 
 from agents.policy.actions import (
     Action,
+    AnnounceLeave,
     ClaimFailure,
     CloseRun,
     CountRestart,
@@ -30,6 +32,7 @@ from agents.policy.actions import (
     FollowRound,
     HandleFailure,
     JoinTimedOut,
+    LeaveAtBoundary,
     LeaveRound,
     ProbePeers,
     ProposeRound,
@@ -63,6 +66,8 @@ from agents.policy.observations import (
     FailureSeen,
     Fenced,
     JoiningInPlace,
+    LeaveNotice,
+    LeaveWritten,
     Observation,
     Observed,
     PeersProbed,
@@ -91,10 +96,11 @@ from agents.policy.running import (
     should_read,
     with_ranks,
 )
-from agents.policy.state import AgentState, Phase, Settings
+from agents.policy.state import AgentState, Leaving, Phase, Settings
 
 __all__ = [
-    "Action", "AgentState", "AlarmVerdict", "ClaimFailure", "CloseRun", "CountRestart",
+    "Action", "AgentState", "AnnounceLeave", "LeaveAtBoundary", "LeaveNotice", "LeaveWritten",
+    "Leaving", "AlarmVerdict", "ClaimFailure", "CloseRun", "CountRestart",
     "Decision", "Exit", "Failed", "FailureClaimed", "FailureFacts", "FailureSeen",
     "FailureStep", "Fenced", "Finished", "FollowRound", "HandleFailure", "JoinTimedOut",
     "JoiningInPlace", "LeaveRound", "Left", "Observation", "Observed", "Outcome", "PeersProbed",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agents.policy.observations import LeaveNotice
 from agents.policy.outcomes import Failed, Finished, Outcome
 from agents.policy.state import AgentState
 from agents.worker_state import WorkerExit
@@ -155,6 +156,28 @@ class ReformWithoutUs:
     why: str
 
 
+# leaving at a step boundary -------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AnnounceLeave:
+    """Say that this node leaves: to its workers when ``at_boundary`` (they leave after
+    their next step, all ranks at the same one), to the run (``elastic-rt status``) and in
+    the events (``node.preempting``)."""
+
+    notice: LeaveNotice
+    deadline_ms: int
+    """Wall clock: when the node leaves at once if no boundary came first."""
+    at_boundary: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveAtBoundary:
+    """The workers left after ``step``: write ``proposal`` (the round without this node)
+    and drop the node's registration, in one transaction (-> ``LeaveWritten``)."""
+
+    proposal: Propose
+    step: int
+
+
 # the end -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Succeed:
@@ -196,7 +219,7 @@ class Sleep:
 Action = (ProposeRound | StartWorkers | FollowRound | StopWorkers | PublishInProcess
           | StartInStandby | RevokeLostLease | Register | HandleFailure | ProbePeers
           | ClaimFailure | CountRestart | ReportRootCause | LeaveRound | ReformWithoutUs
-          | Succeed | CloseRun | Exit | JoinTimedOut | Sleep)
+          | AnnounceLeave | LeaveAtBoundary | Succeed | CloseRun | Exit | JoinTimedOut | Sleep)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from agents.policy import failures, running
+from agents.policy import failures, leaving, running
 from agents.policy import observations as seen
 from agents.policy.actions import Decision, Sleep, StartInStandby, StopWorkers
 from agents.policy.observations import Observed
@@ -15,6 +15,8 @@ def decide(state: AgentState, obs: Observed, settings: Settings) -> Decision:
     """What the agent does next. Pure, and the only function that returns a new state."""
     match obs:
         case seen.Observation():
+            if obs.notice is not None and obs.leave_signal is None:
+                return leaving.on_look(state, obs, settings)
             return running.on_look(state, obs, settings)
         case seen.Fenced():
             return Decision(_fenced(state), (StopWorkers("the lease was lost"),))
@@ -44,6 +46,8 @@ def decide(state: AgentState, obs: Observed, settings: Settings) -> Decision:
             return failures.on_counted(state, obs, settings)
         case seen.ReformWritten():
             return failures.on_reform_written(state, obs, settings)
+        case seen.LeaveWritten():
+            return leaving.on_leave_written(state, obs, settings)
 
 
 def _fenced(state: AgentState) -> AgentState:

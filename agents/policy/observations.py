@@ -18,6 +18,25 @@ from elastic_rt.root_cause import RootCause
 
 
 @dataclass(frozen=True, slots=True)
+class LeaveNotice:
+    """The node is to leave soon: SIGTERM or SIGINT (Kubernetes, Slurm, Ctrl-C) or a
+    preemption notice (``--preemption-notice``, see :mod:`agents.preemption`).
+
+    The node leaves at its workers' next step boundary when they recover in place (nothing
+    is redone; the others pause for one re-form), else at once.
+    """
+
+    source: str
+    """What gave it: ``SIGTERM``, the notice URL, ``file:PATH``, ``cmd:COMMAND``."""
+    detail: str = ""
+    """What the source said (a body, a file's first line), for the events."""
+    deadline_ms: int | None = None
+    """When the source says the node goes (wall clock), if it says."""
+    signum: int | None = None
+    """The signal that gave it; the agent then exits 128 + it."""
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """What the agent saw this time round its loop."""
 
@@ -36,6 +55,11 @@ class Observation:
     waited: float = 0.0
     """Seconds since the agent started, for the join timeout."""
     leave_signal: int | None = None
+    """Leave at once (a signal, or a second one after a signal's notice)."""
+    notice: LeaveNotice | None = None
+    """Leave at the workers' next step boundary (the first notice taken)."""
+    left: tuple[int | None, ...] = ()
+    """Per local worker: the step after which it left at a boundary, or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +186,19 @@ class ReformWritten:
     now_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class LeaveWritten:
+    """The round without this node was written (``written``), or not: ``current`` is the
+    round read after (None when etcd did not answer)."""
+
+    written: Round | None
+    current: Round | None
+    step: int
+    """The step after which the workers left."""
+    now: float
+    now_ms: int = 0
+
+
 Observed = (Observation | Fenced | WorkersStarted | RoundFollowed | JoiningInPlace
             | StandbyStarted | Registered | RegisterFailed | FailureSeen | PeersProbed
-            | FailureClaimed | RestartCounted | ReformWritten)
+            | FailureClaimed | RestartCounted | ReformWritten | LeaveWritten)

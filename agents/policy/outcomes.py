@@ -21,9 +21,16 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Left:
-    """The node left on a signal; the agent exits 128 + the signal, as a shell would."""
+    """The node left: on a signal (it exits 128 + the signal, as a shell would) or on a
+    preemption notice (it exits 0, its job done as asked)."""
 
-    signum: int
+    signum: int | None
+    step: int | None = None
+    """The step after which its workers left at a boundary; None: they were stopped."""
+    source: str = ""
+    """What asked it to leave (``SIGTERM``, a notice URL, ``file:...``)."""
+    why: str = ""
+    """Why it left at once rather than at a boundary, when it did."""
 
 
 Outcome = Finished | Failed | Left
@@ -47,5 +54,5 @@ def closed_outcome(record: str) -> Finished | Failed:
 
 def exit_code(outcome: Outcome) -> int:
     if isinstance(outcome, Left):
-        return 128 + outcome.signum
+        return 0 if outcome.signum is None else 128 + outcome.signum
     return 1 if isinstance(outcome, Failed) else 0

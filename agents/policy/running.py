@@ -75,7 +75,9 @@ def stopped(state: AgentState) -> AgentState:
 def on_look(state: AgentState, obs: Observation, settings: Settings) -> Decision:
     """One turn of the loop."""
     if obs.leave_signal is not None:
-        return Decision(state, (Exit(Left(obs.leave_signal)),))
+        notice = state.leaving.notice if state.leaving else None
+        return Decision(state, (Exit(Left(obs.leave_signal, source=notice.source if notice
+                                          else "", why="a second signal" if notice else "")),))
     if obs.store_error:
         return Decision(state, (Sleep(settings.retry_after.total_seconds()),))
     snapshot = obs.snapshot

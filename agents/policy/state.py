@@ -10,8 +10,9 @@ import enum
 from dataclasses import dataclass
 from datetime import timedelta
 
-from agents.policy.observations import FailureFacts
+from agents.policy.observations import FailureFacts, LeaveNotice
 from elastic_rt.config import (
+    DEFAULT_LEAVE_TIMEOUT,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_MONITOR_INTERVAL,
     DEFAULT_REFORM_TIMEOUT,
@@ -39,6 +40,15 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Leaving:
+    """A notice was taken: the workers leave at their next step boundary, and the node
+    after them; at ``deadline`` (monotonic) it leaves at once whatever they do."""
+
+    notice: LeaveNotice
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
 class AgentState:
     """Everything the agent remembers between two decisions."""
 
@@ -56,6 +66,8 @@ class AgentState:
     """False from a fence until the node registers on a new lease."""
     failure: FailureFacts | None = None
     """While SETTLING: what was learned about the failure."""
+    leaving: Leaving | None = None
+    """Since a notice to leave was taken (see :mod:`agents.policy.leaving`)."""
 
     @property
     def running(self) -> Round | None:
@@ -85,3 +97,8 @@ class Settings:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     nproc: int = 1
     """Workers this node runs (the ranks it asks back after its workers are replaced)."""
+    leave_timeout: timedelta = DEFAULT_LEAVE_TIMEOUT
+    """From a notice to leaving at once, if the workers reached no step boundary by then."""
+    leave_poll: timedelta = timedelta(seconds=0.01)
+    """Between two looks at the workers while they head for the boundary they leave at:
+    the others wait for this node's round from that boundary on."""

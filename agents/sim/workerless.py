@@ -52,5 +52,11 @@ class Workerless:
     def reform_without_us(self, action: policy.ReformWithoutUs) -> NoReturn:
         self._no_workers(action)
 
+    def announce_leave(self, action: policy.AnnounceLeave) -> NoReturn:
+        self._no_workers(action)
+
+    def leave_at_boundary(self, action: policy.LeaveAtBoundary) -> NoReturn:
+        self._no_workers(action)
+
     def succeed(self, action: policy.Succeed) -> NoReturn:
         self._no_workers(action)

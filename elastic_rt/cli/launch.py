@@ -24,6 +24,7 @@ from elastic_rt.errors import ConfigError
 if TYPE_CHECKING:
     from agents.config import AgentConfig
     from agents.output import OutputSpec
+    from agents.preemption import NoticeSource
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,15 @@ def add_launch(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=flags.seconds,
                    default=timedelta(seconds=3),
                    help="seconds from SIGTERM to SIGKILL when stopping workers (default 3)")
+    p.add_argument("--preemption-notice", default=None, metavar="URL|FILE|CMD",
+                   help="leave at the next step boundary once this says so: an http(s) URL "
+                        "answering 200 with e.g. {\"preempted\": true} or a cloud's "
+                        "instance-action, file:PATH existing, or cmd:COMMAND exiting 0 "
+                        "(docs/preemption.md); SIGTERM always does")
+    p.add_argument("--leave-timeout", type=flags.seconds, default=cfg.DEFAULT_LEAVE_TIMEOUT,
+                   help="seconds from SIGTERM or a preemption notice to leaving at once if no "
+                        f"step boundary came first (default "
+                        f"{cfg.DEFAULT_LEAVE_TIMEOUT.total_seconds():g})")
     _add_output(p)
     _add_static(p)
     # None: the environment decides, read in launch(), inside main's error guard.
@@ -231,8 +241,42 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
         events_file=args.events_file,
         metrics_port=args.metrics_port,
         output=_output(args),
+        preemption_notice=_preemption_notice(args.preemption_notice),
+        preemption_poll=_preemption_poll(),
+        leave_timeout=args.leave_timeout,
         **extra,
     )
+
+
+def _preemption_poll() -> timedelta:
+    """$ELASTIC_RT_PREEMPTION_POLL_SEC, else the default; at least 0.05 s (a source is
+    a metadata server or a command: polling it in a loop would only load it).
+
+    Raises:
+        ConfigError: not a number, or under 0.05.
+    """
+    poll = cfg.first_given(cfg.env_seconds(os.environ, cfg.PREEMPTION_POLL_ENV),
+                           default=cfg.DEFAULT_PREEMPTION_POLL)
+    if poll < timedelta(seconds=0.05):
+        raise ConfigError(f"{cfg.PREEMPTION_POLL_ENV}={poll.total_seconds():g} is under 0.05 s",
+                          f"Set {cfg.PREEMPTION_POLL_ENV} to e.g. 0.5.")
+    return poll
+
+
+def _preemption_notice(spec: str | None) -> NoticeSource | None:
+    """--preemption-notice, parsed and, for a URL, answering (before anything starts).
+
+    Raises:
+        ConfigError, UnknownURLSchemeError: the value names no source.
+        EndpointUnreachableError: the URL does not answer.
+    """
+    if spec is None:
+        return None
+    from agents.preemption import check_at_start, parse_source
+
+    source = parse_source(spec)
+    check_at_start(source)
+    return source
 
 
 def _free_etcd_port(args: argparse.Namespace) -> int | None:

@@ -11,7 +11,10 @@ Keys read, under ``/elastic_rt/<run_id>/`` (see :mod:`elastic_rt.rendezvous.regi
 ``layout`` (JSON ``{"round", "layout": {"dp", "pp", "tp"}}``, written by rank 0),
 ``checkpoint`` (JSON ``{"name", "step", "url"}``, or a bare name), ``progress`` (JSON
 ``{"round", "step", "steps_per_s", "ms"}``, written by rank 0), ``root_cause`` (JSON, a
-:class:`~elastic_rt.root_cause.RootCause`, written by the agent that saw the failure).
+:class:`~elastic_rt.root_cause.RootCause`, written by the agent that saw the failure),
+``leaving/*`` (JSON ``{"source", "detail", "since_ms", "deadline_ms", "at_boundary"}``: a
+node that took a preemption notice or SIGTERM and leaves at its workers' next step boundary,
+written on its lease by its agent).
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ from elastic_rt.config import EtcdAuth
 from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError, UnknownRunError
 from elastic_rt.events import Event
 from elastic_rt.rendezvous.kv import KeyValue, KVStore
-from elastic_rt.rendezvous.registry import CLOSED, COMPLETING
+from elastic_rt.rendezvous.registry import CLOSED, COMPLETING, LEAVING
 from elastic_rt.rendezvous.rounds import NodeInfo, Round
 from elastic_rt.root_cause import RootCause
 
 logger = logging.getLogger(__name__)
 
 ROOT = "/elastic_rt/"
-NOTABLE = ("node.joined", "node.lost", "node.evicted", "node.left", "round.formed", "worker.failed",
-           "agent.fenced", "checkpoint.committed", "job.finished", "agent.exited")  # fmt: skip
+NOTABLE = ("node.joined", "node.lost", "node.evicted", "node.preempting", "node.left",
+           "round.formed", "worker.failed", "agent.fenced", "checkpoint.committed",
+           "job.finished", "agent.exited")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +49,9 @@ class NodeStatus:
     group_rank: int | None
     state: str
     """``in round``, ``waiting`` (registered, not a member), ``spare`` (waiting while the
-    round has ``--nnodes`` MAX members: it replaces the next member lost) or ``gone``
-    (member, key expired)."""
+    round has ``--nnodes`` MAX members: it replaces the next member lost), ``gone``
+    (member, key expired), or ``leaving (...)`` (a member that took a notice: it leaves
+    at its next step boundary)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,9 @@ class RunStatus:
     root_cause: dict[str, Any] | None = None
     shares: dict[str, Any] | None = None
     """The uneven split of the global batch rank 0 last published (stragglers), if any."""
+    leaving: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per node that took a preemption notice: its agent's record, with ``leaves_in_s`` (the
+    most it stays: it leaves at once then, if no step boundary came first)."""
     events: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -139,12 +147,13 @@ def status_from_keys(
             registered[info.node_id] = info
     round_kv = items.get("round")
     current = Round.from_json(round_kv.value, token=round_kv.mod_revision) if round_kv else None
+    leaving = _leaving(items, now_ms)
     return RunStatus(
         run_id=run_id,
         endpoint=endpoint,
-        state=_state(items, current, registered),
+        state=_state(items, current, registered, leaving),
         round=_round_dict(current, now_ms),
-        nodes=_nodes(current, registered, max_nodes=_int_key(items, "max_nodes")),
+        nodes=_nodes(current, registered, leaving, max_nodes=_int_key(items, "max_nodes")),
         layout=_json_key(items, "layout"),
         checkpoint=_json_key(items, "checkpoint", bare="name"),
         restarts_used=_int_key(items, "restarts") or 0,
@@ -152,7 +161,21 @@ def status_from_keys(
         progress=_json_key(items, "progress"),
         shares=_json_key(items, "shares"),
         root_cause=_root_cause(items),
+        leaving=leaving,
     )
+
+
+def _leaving(items: dict[str, KeyValue], now_ms: int) -> dict[str, dict[str, Any]]:
+    found = {}
+    for name, item in items.items():
+        if not name.startswith(LEAVING):
+            continue
+        record = _json_key(items, name) or {}
+        deadline = record.get("deadline_ms")
+        if isinstance(deadline, int):
+            record["leaves_in_s"] = round(max(0, deadline - now_ms) / 1000, 1)
+        found[name[len(LEAVING):]] = record
+    return found
 
 
 def _root_cause(items: dict[str, KeyValue]) -> dict[str, Any] | None:
@@ -183,7 +206,8 @@ def _json_key(items: dict[str, KeyValue], name: str, bare: str = "") -> dict[str
     return data if isinstance(data, dict) else {bare or "value": text}
 
 
-def _state(items: dict[str, KeyValue], current: Round | None, nodes: dict[str, NodeInfo]) -> str:
+def _state(items: dict[str, KeyValue], current: Round | None, nodes: dict[str, NodeInfo],
+           leaving: dict[str, dict[str, Any]]) -> str:
     closed = _text(items, CLOSED)
     if closed is not None:
         return closed
@@ -194,6 +218,8 @@ def _state(items: dict[str, KeyValue], current: Round | None, nodes: dict[str, N
     gone = [m for m in current.members if m not in nodes]
     if gone:
         return f"re-forming (lost {', '.join(gone)})"
+    if leaving:
+        return f"running ({', '.join(sorted(leaving))} leaving at the next step boundary)"
     return "running"
 
 
@@ -212,8 +238,8 @@ def _round_dict(current: Round | None, now_ms: int) -> dict[str, Any] | None:
     }
 
 
-def _nodes(current: Round | None, registered: dict[str, NodeInfo], *,
-           max_nodes: int | None) -> list[NodeStatus]:
+def _nodes(current: Round | None, registered: dict[str, NodeInfo],
+           leaving: dict[str, dict[str, Any]], *, max_nodes: int | None) -> list[NodeStatus]:
     members = list(current.members) if current else []
     waits_as = "spare" if max_nodes and len(members) >= max_nodes else "waiting"
     rows = []
@@ -221,11 +247,23 @@ def _nodes(current: Round | None, registered: dict[str, NodeInfo], *,
         info = registered.get(node)
         host = info.host if info else current.hosts[rank]  # type: ignore[union-attr]
         nproc = info.nproc if info else current.nprocs[rank]  # type: ignore[union-attr]
-        rows.append(NodeStatus(node, host, nproc, rank, "in round" if info else "gone"))
+        state = "in round" if info else "gone"
+        if info and node in leaving:
+            state = _leaving_text(leaving[node])
+        rows.append(NodeStatus(node, host, nproc, rank, state))
     waiting = sorted((i for n, i in registered.items() if n not in members),
                      key=lambda i: (i.joined_revision, i.node_id))  # fmt: skip
     rows += [NodeStatus(i.node_id, i.host, i.nproc, None, waits_as) for i in waiting]
     return rows
+
+
+def _leaving_text(record: dict[str, Any]) -> str:
+    """``leaving (SIGTERM; at the next step boundary, at once in 18.2 s)``."""
+    when = "at the next step boundary" if record.get("at_boundary") else "now"
+    within = record.get("leaves_in_s")
+    later = f", at once in {within:g} s" if isinstance(within, (int, float)) and \
+        record.get("at_boundary") else ""
+    return f"leaving ({record.get('source', '?')}; {when}{later})"
 
 
 # events ----------------------------------------------------------------------------
@@ -266,6 +304,12 @@ def _detail(event: Event) -> str:
         return str(m.get("reason", ""))
     if event.name == "checkpoint.committed":
         return f"step {event.step}"
+    if event.name == "node.preempting":
+        return f"{m.get('source')}{': ' + str(m['detail']) if m.get('detail') else ''}"
+    if event.name == "node.left":
+        how = f"after step {event.step}" if m.get("at_boundary") else "at once"
+        why = f" ({m['why']})" if m.get("why") else ""
+        return f"{m.get('source') or m.get('signal') or ''} {how}{why}".strip()
     return ""
 
 

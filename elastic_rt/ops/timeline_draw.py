@@ -33,7 +33,8 @@ from elastic_rt.rendezvous.rounds import SPARE
 MARKERS = {
     "node.joined": (">", "#2ca02c", "joined"),
     "node.lost": ("X", "#d62728", "lost"),
-    "node.left": ("s", "#ff7f0e", "left (SIGTERM)"),
+    "node.preempting": ("^", "#ff7f0e", "told to leave (SIGTERM, preemption notice)"),
+    "node.left": ("s", "#ff7f0e", "left"),
     "worker.failed": ("v", "#d62728", "worker failed"),
     "agent.fenced": ("D", "#9467bd", "fenced itself"),
     "job.finished": ("P", "#222222", "finished"),
@@ -213,6 +214,7 @@ def _draw_lanes(ax: Any, events: Sequence[Event], recoveries: Sequence[Recovery]
     span = max(frame.x(frame.end_ms), 1e-3)
     waiting = never_admitted(events)
     _draw_waiting(ax, events, waiting, lane, frame)
+    _draw_leaving(ax, events, lane, frame)
     for node, spans in worker_bars(events, recoveries).items():
         for start, end, number in spans:
             if node in waiting or start >= frame.end_ms:
@@ -272,6 +274,19 @@ def _draw_waiting(ax: Any, events: Sequence[Event], waiting: set[str], lane: dic
         ax.text(frame.x(joined), lane[node] + 0.3,
                 " waiting as a spare" if spare else " waiting to be admitted", fontsize=8,
                 color="#666666", va="bottom")  # fmt: skip
+
+
+def _draw_leaving(ax: Any, events: Sequence[Event], lane: dict[str, int], frame: _Frame) -> None:
+    """A node told to leave: a hatched frame around its bar from the notice to its leave
+    (it trains on to the next step boundary meanwhile)."""
+    for notice in (e for e in events if e.name == "node.preempting" and e.node in lane):
+        left = [e.timestamp_ms for e in events if e.name == "node.left" and e.node == notice.node
+                and e.timestamp_ms >= notice.timestamp_ms]
+        start, end = frame.x(notice.timestamp_ms), frame.x(min(left, default=frame.end_ms))
+        ax.broken_barh([(start, end - start)],
+                       (lane[str(notice.node)] - 0.36, 0.72), facecolors="none",
+                       edgecolors=MARKERS["node.preempting"][1], hatch="////", linewidth=0.8,
+                       zorder=4)  # fmt: skip
 
 
 def _draw_checkpoints(ax: Any, events: Sequence[Event], frame: _Frame, on_steps: bool) -> None:

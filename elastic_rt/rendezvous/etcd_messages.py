@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import etcd3.utils
 from etcd3 import etcdrpc
 
-from elastic_rt.rendezvous.kv import Get, KeyValue, TxnOp, TxnResult
+from elastic_rt.rendezvous.kv import Delete, Get, KeyValue, TxnOp, TxnResult
 
 
 def txn_request(expect: dict[str, int], success: Sequence[TxnOp],
@@ -39,6 +39,9 @@ def _request_op(op: TxnOp) -> Any:
         end = etcd3.utils.prefix_range_end(op.key.encode()) if op.prefix else b""
         return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
             key=op.key.encode(), range_end=end, limit=op.limit))
+    if isinstance(op, Delete):
+        return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
+            key=op.key.encode()))
     return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
         key=op.key.encode(), value=op.value, lease=op.lease or 0))
 

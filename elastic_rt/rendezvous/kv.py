@@ -42,7 +42,16 @@ class Get:
     """At most this many keys (0: all): enough to learn whether any exist."""
 
 
-TxnOp = Put | Get
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """A delete inside :meth:`KVStore.txn` (absent keys are no error): a node leaving at a
+    step boundary writes the round without it and drops its registration in one transaction,
+    so the leader never sees it registered outside the round (and admits it again)."""
+
+    key: str
+
+
+TxnOp = Put | Get | Delete
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,8 @@ Key layout under ``/elastic_rt/<run_id>/``:
 ``shares``            JSON ``{"round", "step", "nodes", "weights"}``: the batch split unevenly
                       for stragglers (``worker/stragglers.py``), rank 0, fenced
 ``root_cause``        the last failure's :class:`~elastic_rt.root_cause.RootCause`
+``leaving/<node>``    JSON: the node took a preemption notice and leaves at its workers'
+                      next step boundary (on its lease; for ``elastic-rt status``)
 ====================  ===========================================================
 
 Every key a node's decisions read, except the registrations, starts with ``round``:
@@ -41,7 +43,16 @@ from datetime import timedelta
 from typing import Callable, Mapping
 
 from elastic_rt.errors import FencedOutError, RendezvousTimeoutError
-from elastic_rt.rendezvous.kv import Get, KeyValue, KVStore, Put, PutIf, TxnRequest, TxnResult
+from elastic_rt.rendezvous.kv import (
+    Delete,
+    Get,
+    KeyValue,
+    KVStore,
+    Put,
+    PutIf,
+    TxnRequest,
+    TxnResult,
+)
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
 from elastic_rt.root_cause import RootCause
 
@@ -51,6 +62,8 @@ ALARM = "round-alarm"
 COMPLETING = "round-completing"
 IN_PROCESS = "round-in-process"
 CLOSED = "round-closed"
+LEAVING = "leaving/"
+"""Nodes that took a preemption notice (see :meth:`RunRegistry.announce_leaving`)."""
 FOLLOWED = ROUND
 """The prefix of the keys a follower's decisions read: everything but the registrations."""
 
@@ -259,6 +272,33 @@ class RunRegistry(RunRequests):
         write = self.propose_request(proposal)
         return self.proposed(proposal, self.kv.put_if(write.key, write.value,
                                                       expect=write.expect))
+
+    # leaving at a step boundary -------------------------------------------------
+    def announce_leaving(self, node_id: str, record: dict[str, object], lease: int | None) -> None:
+        """Say that ``node_id`` leaves at its workers' next step boundary (for ``status``).
+
+        On the node's lease: the record goes with the node, whether it leaves as planned or
+        dies first. No decision reads it (it does not start with :data:`ROUND`).
+        """
+        self.kv.put(self.key(LEAVING + node_id), json.dumps(record).encode(), lease=lease)
+
+    def leave(self, proposal: Propose, node_id: str) -> Round | None:
+        """Write ``proposal`` (the round without ``node_id``) and drop the node's
+        registration and leaving record, in one transaction on the round it replaces.
+
+        One transaction, so the leader never sees the node registered outside the round
+        (it would admit it again) nor the round still listing a node that is gone (it
+        would call it lost). None when the round changed first: read it and try again.
+        """
+        key = self.key(ROUND)
+        result = self.kv.txn(
+            {key: proposal.expected_token},
+            (Put(key, proposal.round.to_json()), Delete(self.key(f"nodes/{node_id}")),
+             Delete(self.key(LEAVING + node_id)), Get(key)),
+        )  # fmt: skip
+        if not result.succeeded:
+            return None
+        return dataclasses.replace(proposal.round, token=result.reads[0][0].mod_revision)
 
     # the round's c10d store ----------------------------------------------------
     def publish_store(self, round_: Round, address: str) -> None:

@@ -347,6 +347,23 @@ def restart_round(current: Round, reason: str, now_ms: int, *, restarts: int | N
     )
 
 
+def without(current: Round, node_id: str, reason: str, now_ms: int, limits: Limits) -> Propose:
+    """The round after ``current`` once ``node_id`` leaves it at a step boundary: the
+    others in their order, so their ranks move as little as for a loss. Below
+    ``min_nodes`` it is a paused round, as the leader would write after a loss."""
+    members = tuple(m for m in current.members if m != node_id)
+    kept = [i for i, m in enumerate(current.members) if m != node_id]
+    if len(members) < limits.min_nodes:
+        reason = f"paused: {len(members)} of at least {limits.min_nodes} nodes left ({reason})"
+    return Propose(
+        Round(number=current.number + 1, members=members,
+              nprocs=tuple(current.nprocs[i] for i in kept),
+              hosts=tuple(current.hosts[i] for i in kept), reason=reason, created_ms=now_ms,
+              restarts=current.restarts),
+        expected_token=current.token,
+    )  # fmt: skip
+
+
 def _loads(raw: bytes, what: str) -> dict:  # type: ignore[type-arg]
     try:
         data = json.loads(raw)

@@ -66,6 +66,7 @@ from elastic_rt.errors import (
     ElasticError,
     FencedOutError,
     NewerRound,
+    NodeLeaving,
     RendezvousClosedError,
     RoundAbandoned,
     StateLostError,
@@ -91,6 +92,7 @@ from elastic_rt.worker.footprint import footprint
 from elastic_rt.worker.grad_sync import GradSync
 from elastic_rt.worker.hang import HangWatchdog, report_stall
 from elastic_rt.worker.joined_round import JoinedRound, close_round, collective_timeout, join
+from elastic_rt.worker.leave_vote import LeaveVote
 from elastic_rt.worker.progress import ProgressPublisher, StepClock, StepReport, published_step
 from elastic_rt.worker.run_options import RunOptions
 from elastic_rt.worker.rss_peak import RssPeak
@@ -224,6 +226,7 @@ class _ElasticLoop:
         registry = self.membership.registry
         self.publisher = ProgressPublisher(registry) if registry is not None else None
         self.checkpoint = self._for_run(checkpoint, registry)
+        self.leave_vote = LeaveVote(self.membership.leave_note)
 
     def _prepare(self, membership: Membership) -> None:
         """A standby worker builds its state before its node registers, for the layout of
@@ -270,6 +273,12 @@ class _ElasticLoop:
                     self.resplit(joined)
                     self.train(joined)
                     break
+                except NodeLeaving as leaving:
+                    # Its state handed over and its agent told: the worker ends here, and
+                    # not through run()'s return, after which the script would go on as if
+                    # the job were done.
+                    logger.info("this node leaves after step %d", leaving.step)
+                    raise SystemExit(0) from None
                 except NewerRound:
                     logger.info("newer round pending; re-forming at step %d", self.progress.step)
                 except (UserCodeError, StateLostError) as exc:
@@ -306,6 +315,7 @@ class _ElasticLoop:
             # a restore may leave it dirty: a receiver whose streamed state lands in this step
             self.progress.is_dirty = self.progress.is_dirty or not self.trainer.is_step_atomic()
             joined.at_step(self.progress.step + 1)
+            self.leave_vote.begin(joined.groups.world)
             local_loss, contribution = self.train_step(joined)
             self.sampler.advance()
             self.progress.step += 1
@@ -321,6 +331,8 @@ class _ElasticLoop:
             # not make the next round train the step again (it loses only this report).
             global_loss = self._global_loss(joined, contribution) if self.on_step else None
             self._after_step(joined, local_loss, global_loss)
+            if self.leave_vote.anyone_leaves() and self.progress.step < self.options.max_steps:
+                self.leave_together(joined)
             if self.balancer.record(self._step_samples, self.trainer.compute_seconds()):
                 self._rebalance(joined)
 
@@ -406,9 +418,33 @@ class _ElasticLoop:
                              evicted=nodes[verdict.evict], liveness="straggler",
                              speed=round(verdict.speeds[verdict.evict], 1))
 
+    def leave_together(self, joined: JoinedRound) -> None:
+        """Every rank stops at this boundary: some node leaves (its agent was told to).
+
+        While all are still here, the checkpoint in flight commits (its background
+        collectives need every rank) and the state goes where the others can restore this
+        step without the leaver (``Trainer.hand_over``: FSDP's pieces to peer copies).
+        Then the leaver's workers say so to their agent, which writes the round without
+        its node; the others wait for that round: one re-form, nothing redone.
+
+        Raises:
+            NodeLeaving: on the leaver's ranks.
+            NewerRound: on the others (wait for the round without the leaver).
+        """
+        began, step = time.monotonic(), self.progress.step
+        self._finish_checkpoint()
+        self.trainer.hand_over(joined.ctx, step)
+        leaving = self.leave_vote.is_mine
+        self._phase("leave.agreed", began, leaving=leaving, source=self.leave_vote.source)
+        if leaving:
+            self.membership.left(step)
+            raise NodeLeaving(step)
+        self.progress.paused_at = began  # step.resumed reports the pause from here
+        raise NewerRound()
+
     def on_failure(self, round_: Round, exc: BaseException) -> None:
         self.progress.failed_attempts += 1
-        self.progress.failed_at = time.monotonic()
+        self.progress.paused_at = time.monotonic()
         logger.warning("step %d failed in round %s: %s", self.progress.step + 1, round_.number,
                        str(exc).splitlines()[0] if str(exc) else exc)
         self.events.emit("step.retried", round=round_.number, step=self.progress.step + 1,
@@ -449,11 +485,11 @@ class _ElasticLoop:
 
     def _after_step(self, joined: JoinedRound, loss: float, global_loss: float | None) -> None:
         ctx, step = joined.ctx, self.progress.step
-        if self.progress.failed_at is not None:
-            downtime = time.monotonic() - self.progress.failed_at
+        if self.progress.paused_at is not None:
+            downtime = time.monotonic() - self.progress.paused_at
             self.events.emit("step.resumed", round=ctx.round, step=step,
                              downtime_ms=int(downtime * 1000), world_size=ctx.world_size)
-            self.progress.failed_at = None
+            self.progress.paused_at = None
         if self.heap is not None:
             self.heap.after_step()
         self._publish_progress()

@@ -16,7 +16,7 @@ import time
 from datetime import timedelta
 from typing import Callable, Protocol, runtime_checkable
 
-from elastic_rt.acks import write_ack
+from elastic_rt.acks import leave_note, write_ack, write_left
 from elastic_rt.config import WorkerEnv
 from elastic_rt.errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
@@ -168,6 +168,15 @@ class RoundFollower:
         """Tell the agent we run in-process and have joined ``round_``."""
         self._write_ack(round_.number)
 
+    def leave_note(self) -> str | None:
+        """What asked this node to leave, once its agent said so (a ``stat`` per call)."""
+        return leave_note(self.env.agent_dir) if self.env.agent_dir else None
+
+    def left(self, step: int) -> None:
+        """Tell the agent this worker left after ``step``, its state handed over."""
+        if self.env.agent_dir:
+            write_left(self.env.agent_dir, self.env.local_rank, step)
+
     def _write_ack(self, round_number: int) -> None:
         if self.env.agent_dir:
             write_ack(self.env.agent_dir, self.env.local_rank, round_number)
@@ -207,5 +216,13 @@ class Membership(Protocol):
     def announce(self) -> None: ...
 
     def acknowledge(self, round_: Round) -> None: ...
+
+    def leave_note(self) -> str | None:
+        """What asked this worker's node to leave (its agent's note), or None."""
+        ...
+
+    def left(self, step: int) -> None:
+        """This worker left after ``step`` (its node leaves); nothing follows."""
+        ...
 
     def close(self) -> None: ...

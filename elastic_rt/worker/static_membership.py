@@ -65,6 +65,13 @@ class StaticMembership:
     def acknowledge(self, round_: Round) -> None:
         """No agent reads acknowledgements."""
 
+    def leave_note(self) -> str | None:
+        """None: without an agent nobody asks this node to leave."""
+        return None
+
+    def left(self, step: int) -> None:
+        """Nothing: no agent to tell."""
+
     def close(self) -> None:
         """Nothing held."""
 

@@ -46,8 +46,17 @@ inproc-fsdp-kill   inproc-kill with the state sharded over the three ranks (FSDP
                    ``--max-shard 3``, peer copies every step): ``--state-mb`` is then the
                    job's whole state, a third of it per rank, and the survivors restore
                    the lost third from the copies in their host memory
+inproc-preempt     no fault: node c's agent alone gets SIGTERM (a preemption with a grace
+                   period, as Kubernetes and Slurm send it); c leaves at its workers'
+                   next step boundary and the survivors re-form without it
+inproc-fsdp-       inproc-preempt under FSDP (``--max-shard 3``): c's third of the state
+preempt            goes to a peer copy of the step it leaves after
 =================  ==========================================================
 
+For the preempt cases "recovery" is the time from the SIGTERM to the survivors' first step
+in the round without c, which includes the step c finishes first (the notice lands in
+one; the boundary comes after the next); the figure that matters is the survivors' **longest
+pause** beyond a step: their gap between the step c left after and their next one.
 For the join cases and inproc-fence "recovery" is the time from starting (or
 continuing) node c to the first step at world size 3, and the figure that matters
 is the survivors' **longest pause**:
@@ -136,7 +145,7 @@ class Case:
     """"elastic" or "torchrun"."""
     in_process: bool
     fault: str
-    """"node-kill", "node-hang", "worker-kill", "join" or "fence"."""
+    """"node-kill", "node-hang", "worker-kill", "join", "fence" or "preempt"."""
     target: str
     rdzv_conf: str = ""
     rdzv_backend: str = "c10d"
@@ -171,6 +180,10 @@ def cases(args: argparse.Namespace) -> dict[str, Case]:
         Case("inproc-fsdp-kill", "elastic", True, "node-kill",
              "<= 1.5 s beyond a step, <= 1 redone (peer copies)",
              script_flags=("--max-shard", str(len(NODES)))),
+        Case("inproc-preempt", "elastic", True, "preempt",
+             "pause <= 0.3 s beyond a step (one re-form), 0 redone"),
+        Case("inproc-fsdp-preempt", "elastic", True, "preempt", "0 redone (peer copies)",
+             script_flags=("--max-shard", str(len(NODES)))),
     ]
     return {c.name: c for c in listed}
 
@@ -195,6 +208,10 @@ class Trial:
     """A survivor's median step time after recovery (fewer workers share the cores then)."""
     rss_growth: int | None = None
     """In-process: the most a survivor's RSS rose above its start during its restore."""
+    ready_s: float | None = None
+    """In-process: from the survivors' last step in the old round to the end of their
+    slowest restore in the new one: the pause without the step that follows it (which on
+    these shared cores varies more than the re-form itself)."""
 
 
 @dataclass(frozen=True)
@@ -360,7 +377,16 @@ class Job:
                      resumed_from=first.step - 1, victim_rank=victim_rank, pause_s=pause,
                      reform_ms=self._reform_ms(first.round), step_s=_step_time(before),
                      bytes_moved=self._bytes_moved(first.round), step_after_s=_step_time(after),
-                     rss_growth=self._rss_growth(first.round))
+                     rss_growth=self._rss_growth(first.round),
+                     ready_s=self._ready_s(first.round, before))
+
+    def _ready_s(self, round_: int | None, before: list[Row]) -> float | None:
+        if not self.case.in_process or self.case.fault == "join":
+            return None
+        ends = [e.timestamp_ms / 1000 for e in read_events(str(self.events))
+                if e.name == "state.restored" and e.round == round_ and e.node != VICTIM]
+        last = [r.time for r in before if r.node != VICTIM]
+        return max(ends) - max(last) if ends and last else None
 
     def _rss_growth(self, round_: int | None) -> int | None:
         if not self.case.in_process:
@@ -397,6 +423,10 @@ class Job:
             return self._fence(root, fault_round)
         if self.case.fault == "node-kill":
             return self.procs.signal_tree(root, signal.SIGKILL)
+        if self.case.fault == "preempt":  # the agent alone, as Kubernetes signals PID 1
+            stamp = time.time()
+            os.kill(root, signal.SIGTERM)
+            return stamp
         if self.case.fault == "node-hang":
             return self.procs.signal_tree(root, signal.SIGSTOP)
         workers = [p for p in victim_tree if p.pid != root]
@@ -456,7 +486,8 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
               f"{fmt(trial.step_s)} s (recovery {_beyond(trial.recovery_s, trial.step_s)} s "
               f"beyond it; step after it {fmt(trial.step_after_s)} s), bytes moved "
               f"{fmt(trial.bytes_moved, 'd')}, restore's peak extra RSS "
-              f"{fmt(_mb(trial.rss_growth), '.0f')} MB "
+              f"{fmt(_mb(trial.rss_growth), '.0f')} MB, last step to restored "
+              f"{fmt(trial.ready_s)} s "
               f"(last {trial.last_before}, resumed from "
               f"{trial.resumed_from}), victim rank {trial.victim_rank}, trial took "
               f"{time.monotonic() - began:.0f} s{'  ERROR: ' + trial.error if trial.error else ''}"
@@ -483,6 +514,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
         moved = median([t.bytes_moved for t in ok if t.bytes_moved is not None])
         after = median([t.step_after_s for t in ok if t.step_after_s is not None])
         grown = max((t.rss_growth for t in ok if t.rss_growth is not None), default=None)
+        ready = [t.ready_s for t in ok if t.ready_s is not None]
         rows.append([
             name, f"{len(ok)}/{len(trials)}", fmt(med[name]), fmt(p90(times)),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
@@ -490,7 +522,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
             f"{fmt(median(reforms), '.0f')} / {fmt(p90(reforms), '.0f')}",
             fmt(step), _beyond(med[name], step), _beyond(median(pauses), step),
             fmt(after), _beyond(med[name], after), _beyond(median(pauses), after),
-            fmt(moved, ".0f"), fmt(_mb(grown), ".0f"),
+            fmt(moved, ".0f"), fmt(_mb(grown), ".0f"), f"{fmt(median(ready))} / {fmt(p90(ready))}",
             ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
         ])  # fmt: skip
     return table(["case", "ok", "recovery s (median)", "p90", "min-max", "steps lost (median)",
@@ -499,6 +531,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
                   "step after s", "recovery beyond the step after", "pause beyond the step after",
                   "bytes moved (median)",
                   "restore's peak extra RSS MB (max)",
+                  "last step to restored s (median / p90)",
                   "torchrun-default / this",
                   "torchrun-fast / this", "target"], rows)
 

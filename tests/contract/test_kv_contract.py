@@ -19,7 +19,7 @@ from elastic_rt.errors import StoreConnectionError
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
-from elastic_rt.rendezvous.kv import Change, Get, KVStore, Put
+from elastic_rt.rendezvous.kv import Change, Delete, Get, KVStore, Put
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -187,6 +187,19 @@ class KVStoreContract:
         assert second.revision == first.revision  # nothing written
         limited = kv.txn({}, [Get(prefix + "n/", prefix=True, limit=1)])
         assert [i.key for i in limited.reads[0]] == [prefix + "n/a"]
+
+    def test_txn_deletes_with_its_writes_or_not_at_all(self, kv: KVStore, prefix: str) -> None:
+        kv.put(prefix + "n/me", b"registered")
+        guard = kv.put(prefix + "round", b"1")
+        stale = kv.txn({prefix + "round": guard - 1},
+                       [Put(prefix + "round", b"2"), Delete(prefix + "n/me")])
+        assert not stale.succeeded and kv.get(prefix + "n/me") is not None
+        done = kv.txn({prefix + "round": guard},
+                      [Put(prefix + "round", b"2"), Delete(prefix + "n/me"),
+                       Delete(prefix + "n/never"), Get(prefix + "n/", prefix=True)])
+        assert done.succeeded and done.reads == [[]]
+        item = kv.get(prefix + "round")
+        assert item is not None and item.value == b"2" and kv.get(prefix + "n/me") is None
 
     def test_watch_changes_delivers_values_and_deletes_from_a_revision(
         self, kv: KVStore, prefix: str

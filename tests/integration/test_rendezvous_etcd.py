@@ -8,6 +8,7 @@ workers are missing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -18,11 +19,12 @@ from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import WaitTimeout, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
-from elastic_rt.rendezvous.rounds import Closed, Limits, Round, Wait
+from elastic_rt.rendezvous.rounds import Closed, Limits, NodeInfo, Round, Wait, without
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 Starter = Callable[..., list[SimulatedNode]]
+LIMITS_2_3 = Limits(min_nodes=2, max_nodes=3, last_call=0.2)
 
 
 @pytest.fixture()
@@ -187,3 +189,34 @@ def _registered(etcd: EtcdServer, run_id: str) -> dict[str, object]:
         return dict(RunRegistry(kv, run_id).nodes())
     finally:
         kv.close()
+
+
+def test_a_node_leaving_at_a_boundary_is_neither_lost_nor_admitted_again(
+    start: Starter, etcd_kv: EtcdKV, run_id: str
+) -> None:
+    """The leaver writes the round without it and drops its registration in one
+    transaction: the leader (a or b) proposes nothing after it, and a leave written
+    against a round that was replaced first changes nothing."""
+    registry = RunRegistry(etcd_kv, run_id)
+    lease = etcd_kv.grant_lease(30)  # c's, as its agent would hold it
+    registry.register(NodeInfo(node_id="c", host="127.0.0.1", nproc=1), lease)
+    nodes = start(run_id, ["a", "b"], Limits(min_nodes=2, max_nodes=3, last_call=0.2))
+    first = agreed_round(nodes, lambda r: "c" in r.members)
+    registry.announce_leaving("c", {"source": "SIGTERM"}, lease)
+
+    stale = dataclasses.replace(first, token=first.token - 1)
+    assert registry.leave(without(stale, "c", "left c", 0, LIMITS_2_3), "c") is None
+    assert registry.node("c") is not None and registry.current_round() == first
+
+    written = registry.leave(without(first, "c", "left c after step 7 (SIGTERM)", 0, LIMITS_2_3),
+                             "c")
+    assert written is not None and written.members == tuple(m for m in first.members if m != "c")
+    assert registry.node("c") is None
+    assert etcd_kv.get(registry.key("leaving/c")) is None
+    etcd_kv.revoke_lease(lease)
+    agreed_round(nodes, lambda r: r.number == written.number)
+    with pytest.raises(WaitTimeout):  # nobody calls c lost, or admits it again
+        wait_until(lambda: any(n.rounds[-1].number > written.number for n in nodes), 1.0,
+                   "a round after the leave")
+    current = registry.current_round()
+    assert current is not None and current.reason == "left c after step 7 (SIGTERM)"

@@ -9,9 +9,16 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_rt.acks import read_acks
 from agents.inbox import Inbox
-from elastic_rt.acks import ack_path
+from agents.policy import LeaveNotice
+from elastic_rt.acks import (
+    ack_path,
+    leave_note,
+    read_acks,
+    read_left,
+    write_leave_note,
+    write_left,
+)
 
 
 def test_a_fence_from_another_thread_is_taken_once_and_wakes_the_loop() -> None:
@@ -34,7 +41,46 @@ def test_reread_marks_the_run_dirty_without_waking_and_a_read_clears_it() -> Non
     assert inbox.dirty
     inbox.mark_read()
     inbox.leave(signal.SIGTERM)
-    assert inbox.leave_signal == signal.SIGTERM and not inbox.dirty
+    assert inbox.notice is not None and not inbox.dirty
+
+
+def test_a_signal_is_a_notice_and_a_second_one_leaves_at_once() -> None:
+    inbox = Inbox()
+    assert not inbox.wants_to_leave
+    inbox.leave(signal.SIGTERM)
+    assert inbox.notice == LeaveNotice(source="SIGTERM", signum=signal.SIGTERM)
+    assert inbox.leave_signal is None and inbox.wants_to_leave
+    inbox.leave(signal.SIGINT)
+    assert inbox.leave_signal == signal.SIGINT
+    assert inbox.notice is not None and inbox.notice.signum == signal.SIGTERM  # the first stays
+
+
+def test_a_signal_after_a_polled_notice_is_no_reason_to_leave_at_once() -> None:
+    """A preempted VM's pods get SIGTERM too: the notice from the endpoint stands."""
+    inbox = Inbox()
+    polled = LeaveNotice(source="http://127.0.0.1:1/preempted", detail="TRUE")
+    poster = threading.Thread(target=inbox.preempted, args=(polled,))
+    poster.start()
+    poster.join(timeout=5)
+    began = time.monotonic()
+    inbox.sleep(5)
+    assert time.monotonic() - began < 1.0  # the notice woke the loop
+    inbox.leave(signal.SIGTERM)
+    inbox.preempted(LeaveNotice(source="later"))
+    assert inbox.notice == polled and inbox.leave_signal is None
+
+
+def test_leave_notes_and_left_records_go_both_ways_between_agent_and_workers(
+        tmp_path: Path) -> None:
+    agent_dir = str(tmp_path)
+    assert leave_note(agent_dir) is None and leave_note("") is None
+    write_leave_note(agent_dir, "SIGTERM")
+    assert leave_note(agent_dir) == "SIGTERM"
+    me = os.getpid()
+    assert read_left(agent_dir, [me, me]) == (None, None)
+    write_left(agent_dir, 1, 41)
+    assert read_left(agent_dir, [me, me]) == (None, 41)
+    assert read_left(agent_dir, [me, me + 1]) == (None, None)  # a replaced worker's is no record
 
 
 def _write(agent_dir: Path, local_rank: int, payload: object) -> None:

@@ -16,6 +16,7 @@ from elastic_rt.worker import grad_sync
 from elastic_rt.worker.grad_sync import GradientBuckets, GradSync, bf16_compress
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers import runtime_step
+from elastic_rt.worker.trainers.replicated import ReplicatedTrainer
 from elastic_rt.worker.trainers.runtime_step import ReplicatedStep, StepOptions
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
@@ -146,6 +147,10 @@ def _rebind(env: WorkerEnv) -> dict[str, bool]:
     stepper.run([(torch.ones(2, 16), 2)], global_len=2, rank=env.rank, step=1)
     assert isinstance(stepper.buckets, GradientBuckets)
     kept = [bucket.buffer for bucket in stepper.buckets.buckets]
+    trainer = ReplicatedTrainer(lambda _: state, lambda s, b: s.model(b).sum(), StepOptions())
+    trainer.state, trainer.stepper = state, stepper
+    trainer.release()  # as the loop does before every re-form: the group goes, not the buffers
+    assert stepper.buckets.group is None
     stepper.bind(dist.group.WORLD)  # type: ignore[arg-type]  # a round after a clean one
     reused = [bucket.buffer for bucket in stepper.buckets.buckets] == kept
     del kept
@@ -162,6 +167,7 @@ def _rebind(env: WorkerEnv) -> dict[str, bool]:
     grad_sync._Bucket.__init__ = counting  # type: ignore[method-assign, assignment]
     # an abandoned round's all-reduce may still complete into the old buffers
     runtime_step.abandoned_group_count = lambda: 1  # type: ignore[attr-defined]
+    stepper.release_group()
     stepper.bind(dist.group.WORLD)  # type: ignore[arg-type]  # the next round's
     return {"reused": reused,
             "freed": alive_at_new == [0] * len(alive_at_new) and bool(alive_at_new)}

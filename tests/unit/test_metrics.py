@@ -36,6 +36,7 @@ def _value(metrics: NodeMetrics, name: str, **labels: str) -> float | None:
     (0, "all nodes joined", "start"), (3, "lost c", "node_lost"),
     (4, "admitting d", "node_joined"), (5, "paused: 1 of at least 2 nodes left", "paused"),
     (6, "a worker failed on b", "worker_failure"),
+    (7, "left c after step 41 (SIGTERM)", "node_left"),
 ])
 def test_a_round_reason_becomes_a_cause_with_few_values(number, reason, cause) -> None:
     assert recovery_cause(_round(number, reason)) == cause

@@ -18,8 +18,10 @@ from elastic_rt.rendezvous.rounds import (
     Snapshot,
     Wait,
     decide,
+    is_paused,
     next_members,
     restart_round,
+    without,
 )
 from tests.fixtures.clock import FakeClock
 
@@ -282,6 +284,24 @@ def test_only_a_counted_failure_changes_the_restart_count_rounds_carry(clock: Fa
     admitting = decide_at(clock, Snapshot(round=current, nodes=nodes("a", "b", "c", "d")), "a")
     assert isinstance(lost, Propose) and isinstance(admitting, Propose)
     assert (lost.round.restarts, admitting.round.restarts) == (2, 2)
+
+
+def test_a_node_leaving_is_dropped_and_the_others_keep_their_order() -> None:
+    current = dataclasses.replace(round_of("a", "b", "c", number=3), nprocs=(1, 2, 1),
+                                  restarts=2)
+    proposal = without(current, "b", "b left: preempted", 99, LIMITS)
+    assert proposal.expected_token == current.token
+    assert (proposal.round.number, proposal.round.members, proposal.round.nprocs,
+            proposal.round.hosts) == (4, ("a", "c"), (1, 1), ("h-a", "h-c"))
+    assert (proposal.round.reason, proposal.round.created_ms, proposal.round.restarts) == (
+        "b left: preempted", 99, 2)
+
+
+def test_a_node_leaving_below_min_writes_a_paused_round() -> None:
+    proposal = without(round_of("a", "b"), "a", "a left: SIGTERM", 0, LIMITS)
+    assert proposal.round.members == ("b",)
+    assert proposal.round.reason.startswith("paused: 1 of at least 2 nodes left")
+    assert is_paused(proposal.round, LIMITS)
 
 
 def test_round_and_node_records_round_trip_through_json() -> None:

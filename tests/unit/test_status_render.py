@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from elastic_rt.rendezvous.kv import KeyValue
-from elastic_rt.rendezvous.rounds import Round
+from elastic_rt.rendezvous.rounds import NodeInfo, Round
 from elastic_rt.root_cause import RootCause
 from elastic_rt.ops.status import render, status_from_keys
 
@@ -62,3 +62,19 @@ def test_an_uneven_split_of_the_current_round_names_the_stragglers() -> None:
     shares["round"] = 3  # an older round's split: this one splits evenly again
     items = _items(round=current.to_json(), shares=json.dumps(shares).encode())
     assert "stragglers" not in render(status_from_keys("r", items, endpoint="e", now_ms=0))
+
+
+def test_a_pending_preemption_is_shown_on_the_run_and_its_node() -> None:
+    round_ = Round(number=3, members=("a", "b", "c"), nprocs=(1, 1, 1), hosts=("h",) * 3)
+    record = {"source": "http://169.254.169.254/preempted", "detail": "TRUE", "since_ms": 1_000,
+              "deadline_ms": 21_000, "at_boundary": True}
+    items = _items(round=round_.to_json(), **{"leaving/c": json.dumps(record).encode()},
+                   **{f"nodes/{n}": NodeInfo(node_id=n, host="h", nproc=1).to_json()
+                      for n in "abc"})
+    status = status_from_keys("r", items, endpoint="e", now_ms=2_500)
+    assert status.state == "running (c leaving at the next step boundary)"
+    assert status.leaving["c"]["leaves_in_s"] == 18.5
+    states = {n.node_id: n.state for n in status.nodes}
+    assert states == {"a": "in round", "b": "in round", "c": "leaving (http://169.254.169.254/"
+                      "preempted; at the next step boundary, at once in 18.5 s)"}
+    assert states["c"] in render(status)

@@ -249,3 +249,35 @@ def test_step_lines_of_workers_in_lockstep_are_drawn_apart() -> None:
     gap = 2.5 * steps.figure.dpi / 72
     assert heights[1] - heights[0] == pytest.approx(gap)
     assert heights[2] - heights[1] == pytest.approx(gap)
+
+
+def preempted_run() -> list[Event]:
+    """Three nodes; c is told to leave at 5.1 s, leaves after its step at 6 s; a and b go on."""
+    events = [_event("node.joined", 0.0, n, host="127.0.0.1", nproc=1) for n in "abc"]
+    events += [_event("round.formed", 0.5, "a", round=0, world_size=3, members=list("abc"),
+                      reason="all nodes joined")]  # fmt: skip
+    events += [_event("worker.started", 0.6, n, round=0, world_size=3) for n in "abc"]
+    for rank, node in enumerate("abc"):
+        events += _steps(node, rank, 1.0, 6.1, 1)
+    events += [_event("node.preempting", 5.1, "c", round=0, source="SIGTERM", at_boundary=True),
+               _event("round.formed", 5.9, "c", round=1, world_size=2, members=list("ab"),
+                      reason="left c after step 20 (SIGTERM)"),
+               _event("node.left", 6.0, "c", round=0, step=20, source="SIGTERM",
+                      at_boundary=True)]  # fmt: skip
+    for name, at in (("groups.reformed", 6.0), ("state.restored", 6.05), ("step.resumed", 6.3)):
+        events += [_event(name, at, n, source="worker", rank=r, round=1)
+                   for r, n in enumerate("ab")]  # fmt: skip
+    for rank, node in enumerate("ab"):
+        events += _steps(node, rank, 6.3, 9.0, 21)
+    events += [_event("job.finished", 9.1, n, round=1) for n in "ab"]
+    return sorted(events, key=lambda e: e.timestamp_ms)
+
+
+def test_a_leave_on_notice_is_timed_from_the_boundary_not_the_notice(tmp_path: Path) -> None:
+    (leave,) = find_recoveries(preempted_run())
+    assert leave.cause == "left c after step 20 (SIGTERM)"
+    assert leave.start_ms == T0 + 5750  # c's last step: it trained on after the notice
+    assert (leave.world_before, leave.world_after) == (3, 2)
+    text = Path(draw_timeline([_write(tmp_path / "e.jsonl", preempted_run())],
+                              str(tmp_path / "run.svg"))).read_text()
+    assert "told to leave" in text and "c left" in text

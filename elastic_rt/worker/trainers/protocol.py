@@ -56,7 +56,9 @@ class Progress:
     """The state may not match ``step``: a step or a restore started and did not finish
     (an owned step may have applied its update before a later collective failed)."""
     failed_attempts: int = 0
-    failed_at: float | None = None
+    paused_at: float | None = None
+    """When training stopped (a failed step, or a boundary a member left at): the next
+    completed step reports the pause (``step.resumed``)."""
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -131,6 +133,11 @@ class Trainer(Protocol):
 
     def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
         """The record saved beside the tensors (its :meth:`TrainMeta.encode` is ``extra``)."""
+
+    def hand_over(self, ctx: Context, step: int) -> None:
+        """A member leaves at this step boundary (after ``step``): put this rank's state
+        where the others can restore ``step`` from without the leaver. Collective (every rank of the
+        round calls it at the same boundary); nothing for replicas, which hold it all."""
 
     def release(self) -> None:
         """Let go of the round's groups (they are about to be destroyed)."""

@@ -127,6 +127,15 @@ class ReplicatedStep:
         self.buckets = reducer or GradientBuckets(self.state.model, dp_group,
                                                   self.options.grad_sync)
 
+    def release_group(self) -> None:
+        """Let go of the round's group, which is about to be destroyed, but keep the
+        gradient buckets' buffers for the next round (:meth:`bind` decides whether they
+        may serve it); a reducer of the round's own (a sharded model's) goes whole."""
+        if isinstance(self.buckets, GradientBuckets):
+            self.buckets.rebind(None)
+        else:
+            self.unbind()
+
     def unbind(self) -> None:
         if self.buckets is not None:
             self.buckets.close()

@@ -11,6 +11,7 @@ from typing import Any
 
 from elastic_rt.layout import Layout
 from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.context import Context
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.checkpoint_restore import named_state
 from elastic_rt.worker.trainers.meta import TrainMeta
@@ -45,6 +46,12 @@ class TrainStateTrainer:
         return TrainMeta.capture(step=step, sampler=sampler, state=self.state,
                                  stepper=self.stepper)
 
+    def hand_over(self, ctx: Context, step: int) -> None:
+        """Nothing: every replica holds the whole state of the step (see the sharded family)."""
+
     def release(self) -> None:
+        """The round's groups go; the gradient buckets stay for the next round (a re-form
+        that allocated them anew cost the survivors one model's worth of zero-filled
+        memory and its page faults in every restore: 133 MB and 0.1 s at 33M parameters)."""
         if self.stepper is not None:
-            self.stepper.unbind()
+            self.stepper.release_group()

@@ -95,5 +95,9 @@ class OwnedStepTrainer:
     def prepare(self, layout: Layout) -> None:
         """Nothing ahead of the round: the object takes its groups while it is built."""
 
+    def hand_over(self, ctx: Context, step: int) -> None:
+        """Nothing: a leaver's parts come from ranks holding the same cut, else from the
+        checkpoint (a part with no replica costs the steps since it; docs/sharding.md)."""
+
     def release(self) -> None:
         """Nothing to let go: the object is rebuilt at the next restore."""

@@ -155,6 +155,27 @@ class ShardedTrainer(TrainStateTrainer):
                                  stepper=self.stepper)
         copies.refresh(committed, local_piece(self.state), meta.encode())
 
+    def hand_over(self, ctx: Context, step: int) -> None:
+        """Under FSDP: copies of every piece as of the step just committed, on the ring.
+
+        The leaver's piece then lives on its ring holder at that very step, and the
+        members restore it from there with nothing redone (a copy made every step is one
+        step old at the boundary, one made every k steps up to k). Collective: every rank
+        refreshes and waits for its exchange; the copies then stop for the round. Without
+        copies (``peer_copy_every=0``) the leaver's piece comes from the checkpoint.
+        """
+        copies = self.copies
+        if copies is None:
+            if ctx.layout.shard > 1 and ctx.layout.replicas == 1:
+                logger.warning("a member leaves and no peer copies are kept "
+                               "(peer_copy_every=0): its shards come from the checkpoint")
+            return
+        assert self.state is not None and self.stepper is not None and self.sampler is not None
+        meta = TrainMeta.capture(step=step, sampler=self.sampler, state=self.state,
+                                 stepper=self.stepper)
+        copies.refresh(step, local_piece(self.state), meta.encode())
+        self._stop_copies()
+
     def _start_copies(self, ctx: Context) -> None:
         """This round's ring of peer copies, on a group of its own (FSDP only; collective)."""
         layout = ctx.layout
