@@ -67,7 +67,7 @@ class RoundFollower:
         round (``ELASTIC_RT_ROUND=-1``), the first round that gives this worker a rank."""
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            current = self.registry.current_round()
+            current = self._read_round()
             if current is not None and current.number >= self.env.round and self._in(current):
                 return current
             self._changed.wait(0.2)
@@ -117,13 +117,37 @@ class RoundFollower:
 
         None when a newer round formed first: the first node died before publishing.
 
+        A read that etcd does not answer is read again until ``timeout``: a cluster
+        member that restarts answers "leader changed" or drops the stream once, and the
+        next call goes to another member. Raised, it killed the worker (exit 1), and with
+        it the only copy of the state when that worker was the last to hold one.
+
         Raises:
             RendezvousTimeoutError: neither within ``timeout``.
+            StoreError: etcd did not answer until ``timeout``.
         """
-        return self.registry.await_store(
-            round_.number, timeout, gone=lambda: self.has_newer_round(round_.number),
-            sleep=time.sleep, poll=0.01,
-        )  # fmt: skip
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
+            try:
+                return self.registry.await_store(
+                    round_.number, left, gone=lambda: self.has_newer_round(round_.number),
+                    sleep=time.sleep, poll=0.01,
+                )  # fmt: skip
+            except StoreError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                logger.warning("etcd unavailable while waiting for round %d's store: %s",
+                               round_.number, exc)
+                time.sleep(0.05)
+
+    def _read_round(self) -> Round | None:
+        """The run's round; None also while etcd does not answer (the caller polls)."""
+        try:
+            return self.registry.current_round()
+        except StoreError as exc:
+            logger.warning("etcd unavailable while reading the round: %s", exc)
+            return None
 
     def report_failure(self, round_: Round) -> None:
         """Ask the agents to check on our peers, unless a newer round already exists."""

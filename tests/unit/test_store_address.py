@@ -1,14 +1,18 @@
-"""How the agent and the workers read a round's store address: one poll, one parse."""
+"""How the agent and the workers read a round's store address: one poll, one parse, and
+the worker's retry while etcd fails a read."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
 
-from elastic_rt.errors import RendezvousTimeoutError
+from elastic_rt.errors import RendezvousTimeoutError, StoreConnectionError
 from elastic_rt.rendezvous.kv import KeyValue
 from elastic_rt.rendezvous.registry import RunRegistry, store_endpoint
+from elastic_rt.rendezvous.rounds import Round
+from elastic_rt.worker.membership import RoundFollower
 
 
 class _Published:
@@ -54,3 +58,35 @@ def test_no_address_in_time_is_a_rendezvous_timeout() -> None:
     with pytest.raises(RendezvousTimeoutError, match="no store address for round 2"):
         registry(None).await_store(2, timedelta(0), gone=lambda: False, sleep=lambda _: None,
                                    poll=0.05)
+
+
+class _Flaky(_Published):
+    """A cluster member restarting: the first ``failures`` reads raise, as etcd3 does."""
+
+    def __init__(self, address: str, failures: int) -> None:
+        super().__init__(address)
+        self.failures = failures
+
+    def get(self, key: str) -> KeyValue | None:
+        if self.failures:
+            self.failures -= 1
+            raise StoreConnectionError(f"etcd failed on get {key}: leader changed")
+        return super().get(key)
+
+
+def _follower(kv: _Published) -> RoundFollower:
+    """A follower without its etcd client and watch: ``store_address`` needs neither."""
+    follower = RoundFollower.__new__(RoundFollower)
+    follower.registry = RunRegistry(kv, "r")  # type: ignore[arg-type]
+    follower._newest, follower._lock = 0, threading.Lock()
+    return follower
+
+
+def test_a_worker_reads_the_address_again_when_etcd_fails_a_read() -> None:
+    # A worker joining a round while a cluster member restarts got "leader changed"
+    # once; raised, it ended the worker (and the only copy of the state with it).
+    round_ = Round(number=2, members=("a",), nprocs=(1,), hosts=("h",))
+    assert _follower(_Flaky("h:1", failures=2)).store_address(
+        round_, timedelta(seconds=5)) == ("h", 1)
+    with pytest.raises((StoreConnectionError, RendezvousTimeoutError)):  # not forever
+        _follower(_Flaky("h:1", failures=10**6)).store_address(round_, timedelta(seconds=0.2))
