@@ -117,36 +117,22 @@ class RoundFollower:
 
         None when a newer round formed first: the first node died before publishing.
 
-        A read that etcd does not answer is read again until ``timeout``: a cluster
-        member that restarts answers "leader changed" or drops the stream once, and the
-        next call goes to another member. Raised, it killed the worker (exit 1), and with
-        it the only copy of the state when that worker was the last to hold one.
-
         Raises:
             RendezvousTimeoutError: neither within ``timeout``.
-            StoreError: etcd did not answer until ``timeout``.
         """
-        deadline = time.monotonic() + timeout.total_seconds()
-        while True:
-            left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
-            try:
-                return self.registry.await_store(
-                    round_.number, left, gone=lambda: self.has_newer_round(round_.number),
-                    sleep=time.sleep, poll=0.01,
-                )  # fmt: skip
-            except StoreError as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                logger.warning("etcd unavailable while waiting for round %d's store: %s",
-                               round_.number, exc)
-                time.sleep(0.05)
+        return self.registry.await_store(
+            round_.number, timeout, gone=lambda: self.has_newer_round(round_.number),
+            sleep=time.sleep, poll=0.01,
+        )  # fmt: skip
 
     def _read_round(self) -> Round | None:
-        """The run's round; None also while etcd does not answer (the caller polls)."""
+        """The run's round; None also while etcd fails the read (the caller polls): a
+        cluster member that restarts fails the call in flight, and raised, it ended the
+        worker before it joined its first round."""
         try:
             return self.registry.current_round()
         except StoreError as exc:
-            logger.warning("etcd unavailable while reading the round: %s", exc)
+            logger.warning("etcd failed a read of the round: %s", exc)
             return None
 
     def report_failure(self, round_: Round) -> None:

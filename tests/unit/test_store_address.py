@@ -4,10 +4,12 @@ the worker's retry while etcd fails a read."""
 from __future__ import annotations
 
 import threading
+import types
 from datetime import timedelta
 
 import pytest
 
+from elastic_rt.config import WorkerEnv
 from elastic_rt.errors import RendezvousTimeoutError, StoreConnectionError
 from elastic_rt.rendezvous.kv import KeyValue
 from elastic_rt.rendezvous.registry import RunRegistry, store_endpoint
@@ -74,19 +76,30 @@ class _Flaky(_Published):
         return super().get(key)
 
 
-def _follower(kv: _Published) -> RoundFollower:
-    """A follower without its etcd client and watch: ``store_address`` needs neither."""
-    follower = RoundFollower.__new__(RoundFollower)
-    follower.registry = RunRegistry(kv, "r")  # type: ignore[arg-type]
-    follower._newest, follower._lock = 0, threading.Lock()
-    return follower
+def test_a_read_that_etcd_fails_is_polled_again() -> None:
+    # An agent and a worker waiting here while a cluster member restarted got "leader
+    # changed" once; raised, it ended them (and the only copy of the state with one).
+    flaky = RunRegistry(_Flaky("h:1", failures=2), "r")  # type: ignore[arg-type]
+    assert flaky.await_store(2, timedelta(seconds=5), gone=lambda: False,
+                             sleep=lambda _: None, poll=0.05) == ("h", 1)
+    down = RunRegistry(_Flaky("h:1", failures=10**9), "r")  # type: ignore[arg-type]
+    with pytest.raises(RendezvousTimeoutError):  # not forever
+        down.await_store(2, timedelta(seconds=0.1), gone=lambda: False,
+                         sleep=lambda _: None, poll=0.05)
 
 
-def test_a_worker_reads_the_address_again_when_etcd_fails_a_read() -> None:
-    # A worker joining a round while a cluster member restarts got "leader changed"
-    # once; raised, it ended the worker (and the only copy of the state with it).
+def test_a_worker_reads_its_first_round_again_when_etcd_fails_a_read() -> None:
     round_ = Round(number=2, members=("a",), nprocs=(1,), hosts=("h",))
-    assert _follower(_Flaky("h:1", failures=2)).store_address(
-        round_, timedelta(seconds=5)) == ("h", 1)
-    with pytest.raises((StoreConnectionError, RendezvousTimeoutError)):  # not forever
-        _follower(_Flaky("h:1", failures=10**6)).store_address(round_, timedelta(seconds=0.2))
+    reads: list[Round | Exception] = [StoreConnectionError("leader changed"), round_]
+
+    def current_round() -> Round:
+        value = reads.pop(0)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    follower = RoundFollower.__new__(RoundFollower)
+    follower.env = WorkerEnv(node_id="a", run_id="r", endpoint="e", round=2)
+    follower.registry = types.SimpleNamespace(current_round=current_round)  # type: ignore
+    follower._changed = threading.Event()
+    assert follower.current() == round_
