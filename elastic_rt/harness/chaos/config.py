@@ -26,3 +26,5 @@ class ChaosConfig:
     """Checkpoint interval of the mid-checkpoint fault (small: a write is often in flight)."""
     max_restarts: int = 5
     """Worker failures a job absorbs (``--max-restarts``); membership changes are free."""
+    script_args: tuple[str, ...] = ()
+    """More flags for the training script (:data:`SCRIPT`)."""

@@ -88,7 +88,7 @@ class Job:
             "--max-restarts", str(cfg.max_restarts),
             *(("--local-addr", host) if host else ()),
             SCRIPT, "--steps", str(cfg.steps), "--out", str(self.out),
-            "--step-time", str(self.step_time),
+            "--step-time", str(self.step_time), *cfg.script_args,
         ]  # fmt: skip
         if self.ckpt_dir is not None:
             args += ["--checkpoint", f"file://{self.ckpt_dir}", "--every", str(cfg.every)]
