@@ -64,6 +64,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the job's step rate under faults, which sizes the default --steps")
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, of: "
                    + ", ".join(KINDS))
+    p.add_argument("--collective-timeout", type=float, default=SoakConfig.collective_timeout,
+                   help="seconds a collective waits for a peer (ELASTIC_RT_COLLECTIVE_TIMEOUT_SEC;"
+                        " 600 as NCCL users set it)")
+    p.add_argument("--stall-timeout", type=float, default=SoakConfig.stall_timeout,
+                   help="seconds without a step after which the soak stops as hung")
     p.add_argument("--workdir", default=None, help="where logs go (kept on failure)")
     return p.parse_args(argv)
 
@@ -79,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     cfg = SoakConfig(faults=args.faults, interval=args.interval, seed=seed, nodes=args.nodes,
                      min_nodes=args.min_nodes, steps=args.steps, steps_per_s=args.steps_per_s,
-                     kinds=kinds)
+                     kinds=kinds, collective_timeout=args.collective_timeout,
+                     stall_timeout=args.stall_timeout)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="elastic-rt-soak-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"soak: seed {seed}, {cfg.faults} faults, {cfg.sized_steps} steps; logs in {root}",

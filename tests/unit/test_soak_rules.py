@@ -102,8 +102,14 @@ def test_a_fault_whose_own_check_failed_is_not_survived() -> None:
 
 
 def test_the_longest_stall_is_the_widest_gap_between_completed_steps() -> None:
-    log = [_done(0, "a", 0, 1), _done(100, "a", 0, 2), _done(2600, "a", 1, 3)]
+    log = [_done(0, "a", 0, 1), _done(100, "a", 0, 2), _done(2600, "a", 1, 3),
+           Event("job.finished", "agent", 2700)]
     assert longest_stall(log) == (2.5, 3)
+
+
+def test_a_job_that_hung_ends_in_a_stall_no_step_ended() -> None:
+    log = [_done(0, "a", 0, 1), _done(100, "a", 0, 2), _round(9100, 5, "a", "b")]
+    assert longest_stall(log) == (9.0, -1)
 
 
 def test_an_eviction_no_fault_explains_is_unprovoked() -> None:

@@ -130,13 +130,20 @@ def _fenced_and_back(inj: Injection, log: _Log, mine: list[Event]) -> bool:
 
 
 def longest_stall(events: list[Event]) -> tuple[float, int]:
-    """The longest time no worker completed a step, in seconds, and the step that ended it.
+    """The longest time no worker completed a step, in seconds, and the step that ended it
+    (-1: none did; the log ends first, as in a job that hung).
 
     Recoveries cost a fraction of a second each; a stall of many seconds is a wait that
     a fault did not end (a join blocked on a dead peer, a hang until a timeout).
     """
     done = sorted((e.timestamp_ms, e.step or 0) for e in events if e.name == "step.completed")
+    if not done:
+        return 0.0, -1
+    finished = any(e.name == "job.finished" for e in events)
+    last_ms = max(e.timestamp_ms for e in events)
     gaps = [(b[0] - a[0], b[1]) for a, b in zip(done, done[1:])]
+    if not finished:
+        gaps.append((last_ms - done[-1][0], -1))
     gap_ms, step = max(gaps, default=(0, 0))
     return gap_ms / 1000, step
 

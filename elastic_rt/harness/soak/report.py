@@ -56,7 +56,8 @@ def summary(result: SoakResult) -> str:
         f"rounds formed: {result.rounds} ({result.rounds - 1} re-forms, "
         f"{result.paused_rounds} paused)",
         f"longest time without a completed step: {result.longest_stall[0]:.1f} s "
-        f"(ended by step {result.longest_stall[1]})",
+        + (f"(ended by step {result.longest_stall[1]})" if result.longest_stall[1] >= 0
+           else "(never ended: the log stops first)"),
         f"healthy nodes evicted or fenced (no fault had hit them): {len(result.unprovoked)}"
         + "".join(f"\n  {_describe(e, result)}" for e in result.unprovoked[:10]),
         *(f"problem: {p}" for p in result.problems),
