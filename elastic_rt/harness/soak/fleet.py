@@ -60,6 +60,17 @@ class Fleet:
             self.job.start_node(name)
         return name
 
+    def crashed(self) -> dict[str, int]:
+        """Nodes whose agent exited on its own (no fault took them out), with exit codes;
+        they are marked as taken out, so the job's end does not wait for them."""
+        found = {}
+        for name, node in self.job.nodes.items():
+            code = node.proc.poll()
+            if code is not None and not node.killed and not self.finished:
+                node.killed = True
+                found[name] = code
+        return found
+
     def replace(self, lost: str) -> str:
         """Mark ``lost`` as taken out for good and start its replacement (same slot)."""
         self.out.add(lost)

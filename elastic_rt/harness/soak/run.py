@@ -32,7 +32,7 @@ from elastic_rt.harness.etcd_cluster import EtcdCluster
 from elastic_rt.harness.ledger import ProcessLedger
 from elastic_rt.harness.soak import leftovers
 from elastic_rt.harness.soak.audit import Injection, Verdict, longest_stall, unprovoked, verdicts
-from elastic_rt.harness.soak.config import SoakConfig
+from elastic_rt.harness.soak.config import JOIN, SoakConfig
 from elastic_rt.harness.soak.faults import FAULTS, Target
 from elastic_rt.harness.soak.fleet import Fleet
 from elastic_rt.harness.soak.footprint import Curve, curves, longest_lived
@@ -147,6 +147,7 @@ def inject_all(target: Target, kinds: tuple[str, ...], trial: Trial) -> list[Inj
     done: list[Injection] = []
     last_step = cfg.sized_steps - _LAST_FAULT_MARGIN_S * cfg.steps_per_s
     for index in range(cfg.faults):
+        _replace_crashed(target, trial, done)
         kind = rng.choice(kinds)
         placed, held_s = _placed(target, kind, trial)
         if fleet.failed:
@@ -163,6 +164,15 @@ def inject_all(target: Target, kinds: tuple[str, ...], trial: Trial) -> list[Inj
                     placed.victim, fleet.step, fleet.round)
         time.sleep(rng.uniform(0.5, 1.5) * cfg.interval)  # the seeded gap, not a wait
     return done
+
+
+def _replace_crashed(target: Target, trial: Trial, done: list[Injection]) -> None:
+    """A node whose agent ended on its own is a problem; a new node takes its place, so
+    that the soak goes on measuring (its start is a ``node-join`` like any other)."""
+    for name, code in target.fleet.crashed().items():
+        log = target.fleet.job.dir / f"{name}.log"
+        trial.problem(f"node {name} exited {code} with no fault on it (see {log})")
+        done.append(target.landed(JOIN, target.fleet.replace(name), detail=f"replaces {name}"))
 
 
 def _placed(target: Target, kind: str, trial: Trial) -> tuple[Inject | None, float]:
