@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the job's minimum; faults never take it below")
     p.add_argument("--steps", type=int, default=0,
                    help="training steps (default: sized so training outlasts the faults)")
-    p.add_argument("--steps-per-s", type=float, default=SoakConfig.steps_per_s,
-                   help="the job's step rate under faults, which sizes the default --steps")
+    p.add_argument("--step-time", type=float, default=SoakConfig.step_time,
+                   help="simulated compute per step (s); with the faults it sizes --steps")
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, of: "
                    + ", ".join(KINDS))
     p.add_argument("--collective-timeout", type=float, default=SoakConfig.collective_timeout,
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"soak: unknown fault kind(s) {unknown}; choose from {list(KINDS)}")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     cfg = SoakConfig(faults=args.faults, interval=args.interval, seed=seed, nodes=args.nodes,
-                     min_nodes=args.min_nodes, steps=args.steps, steps_per_s=args.steps_per_s,
+                     min_nodes=args.min_nodes, steps=args.steps, step_time=args.step_time,
                      kinds=kinds, collective_timeout=args.collective_timeout,
                      stall_timeout=args.stall_timeout)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="elastic-rt-soak-"))

@@ -29,7 +29,12 @@ class SoakConfig:
     min_nodes: int = 2
     steps: int = 0
     """Training steps; 0: sized from the faults (:meth:`sized_steps`)."""
-    step_time: float = 0.05
+    step_time: float = 0.5
+    """Simulated compute per step (s). Long runs need few steps: even in float64 a job's
+    difference to the 1-rank reference grows about tenfold every 2,000 steps late in
+    training (AdamW at lr 1e-2 never settles), from 1e-14 at 3,000 steps to 4e-3 at
+    29,000 with no jump at any fault (a 173-fault soak at 0.05 s per step); at 0.5 s a
+    500-fault soak takes ~6,000 steps."""
     lease_ttl: int = 3
     collective_timeout: float = 600.0
     """A collective blocked on a dead peer never times out within the soak (NCCL's way):
@@ -38,9 +43,9 @@ class SoakConfig:
     """A node-stop or netns-cut lasts the heartbeat window (which evicts the node) plus a
     time drawn from this range: past the TTL less 1 s, the node fences itself while cut
     off; sooner, it finds its lease revoked when it runs or reaches etcd again."""
-    steps_per_s: float = 9.0
-    """What the job trains per second while faults land (measured on 2 busy cores with
-    4 nodes and ``step_time`` 0.05); with the next figure it sizes ``steps``."""
+    step_overhead_s: float = 0.06
+    """What a step takes beyond ``step_time`` while faults land (measured on 2 busy
+    cores with 4 nodes: 9 steps/s at 0.05 s); with the next figure it sizes ``steps``."""
     seconds_per_fault: float = 3.0
     """What a fault takes beyond ``interval``: its own pause, and its wait for a place
     (a replacement joining); measured over soaks of 30 faults."""
@@ -62,6 +67,10 @@ class SoakConfig:
             return self.steps
         seconds = self.faults * (self.interval + self.seconds_per_fault) * 1.2
         return math.ceil((seconds + 30) * self.steps_per_s)
+
+    @property
+    def steps_per_s(self) -> float:
+        return 1.0 / (self.step_time + self.step_overhead_s)
 
     @property
     def nnodes(self) -> str:
