@@ -19,7 +19,8 @@ from elastic_rt.harness.soak.report import report
 from elastic_rt.harness.soak.run import run_soak
 
 CONFIG = SoakConfig(faults=40, interval=0.5, seed=20261206, min_nodes=1, pause_s=(0.3, 1.2),
-                    step_time=0.05, steps=1100, hold_timeout=60.0, stall_timeout=30.0)
+                    step_time=0.05, steps=1100, hold_timeout=60.0, give_way_s=1.0,
+                    stall_timeout=30.0)
 MIN_FAULTS = 30
 """Faults that must have landed before training ran out of steps (40 are drawn)."""
 MIN_REFORMS = 8

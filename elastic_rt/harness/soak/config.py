@@ -51,6 +51,11 @@ class SoakConfig:
     (a replacement joining); measured over soaks of 30 faults."""
     hold_timeout: float = 120.0
     """The longest a fault may wait for its precondition (a replacement joining)."""
+    give_way_s: float | None = None
+    """After waiting this long for a place, a fault gives way to one of a kind that can
+    land now (None: it waits, up to ``hold_timeout``). The short soak in the suite uses it
+    to land its faults within a training of two minutes, whatever the machine's load
+    does to the replacements' start (5-20 s to import torch on 2 busy cores)."""
     stall_timeout: float = 60.0
     """Seconds without a new step after which the soak stops as hung (a problem): a
     recovery takes a fraction of a second, and the longest wait seen was 8 s."""

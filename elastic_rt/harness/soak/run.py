@@ -149,7 +149,7 @@ def inject_all(target: Target, kinds: tuple[str, ...], trial: Trial) -> list[Inj
     for index in range(cfg.faults):
         _replace_crashed(target, trial, done)
         kind = rng.choice(kinds)
-        placed, held_s = _placed(target, kind, trial)
+        placed, held_s = _placed(target, kind, kinds, trial)
         if fleet.failed:
             trial.problem(f"the job stopped after {index} faults: {fleet.failed}")
             break
@@ -158,10 +158,10 @@ def inject_all(target: Target, kinds: tuple[str, ...], trial: Trial) -> list[Inj
         if fleet.finished or fleet.step >= last_step:
             trial.note(f"training ends at step {cfg.sized_steps}: stopped after {index} faults")
             break
-        landed = FAULTS[kind](target, placed.victim)
+        landed = FAULTS[placed.kind](target, placed.victim)
         done += [dataclasses.replace(landed[0], held_s=held_s), *landed[1:]]
-        logger.info("fault %d/%d: %s %s at step %d (round %d)", index + 1, cfg.faults, kind,
-                    placed.victim, fleet.step, fleet.round)
+        logger.info("fault %d/%d: %s %s at step %d (round %d)", index + 1, cfg.faults,
+                    placed.kind, placed.victim, fleet.step, fleet.round)
         time.sleep(rng.uniform(0.5, 1.5) * cfg.interval)  # the seeded gap, not a wait
     return done
 
@@ -175,13 +175,16 @@ def _replace_crashed(target: Target, trial: Trial, done: list[Injection]) -> Non
         done.append(target.landed(JOIN, target.fleet.replace(name), detail=f"replaces {name}"))
 
 
-def _placed(target: Target, kind: str, trial: Trial) -> tuple[Inject | None, float]:
+def _placed(target: Target, kind: str, kinds: tuple[str, ...],
+            trial: Trial) -> tuple[Inject | None, float]:
     """Where ``kind`` lands, and the seconds it waited for a place; None when it never may
     (a problem), the job ended or training stalled.
 
     A fault that had to wait lands a drawn moment after its place opened, not at that
     instant: a place opens when a round admits a node, and landing at once would aim
     every such fault at the newcomer's first second (its join), not at a random moment.
+    With ``give_way_s`` set, a fault that has waited that long gives way to one drawn
+    from the kinds that can land now (the placed kind is the one injected).
     """
     cfg, fleet, began = target.cfg, target.fleet, time.monotonic()
     while True:
@@ -191,16 +194,25 @@ def _placed(target: Target, kind: str, trial: Trial) -> tuple[Inject | None, flo
             return found, time.monotonic() - began
         logger.info("%s waits for %s", kind, placed.why)
         left = cfg.hold_timeout - (time.monotonic() - began)
+        landable: list[str] = []
 
         def opened() -> bool:  # asked with a throwaway RNG: the seeded one only places
-            return (isinstance(place(kind, fleet.view(), random.Random(0)), Inject)
-                    or fleet.ended or fleet.stalled_for() > cfg.stall_timeout)
+            landable.clear()
+            if isinstance(place(kind, fleet.view(), random.Random(0)), Inject):
+                return True
+            if cfg.give_way_s is not None and time.monotonic() - began >= cfg.give_way_s:
+                landable[:] = [k for k in kinds
+                               if isinstance(place(k, fleet.view(), random.Random(0)), Inject)]
+            return bool(landable) or fleet.ended or fleet.stalled_for() > cfg.stall_timeout
 
         try:
             wait_until(opened, max(0.0, left), f"a place for {kind}", interval=0.05)
         except WaitTimeout:
             trial.problem(f"{kind} waited {cfg.hold_timeout:.0f} s for {placed.why}")
             return None, time.monotonic() - began
+        if landable:
+            kind = target.rng.choice(landable)
+            logger.info("... and gives way to %s", kind)
         time.sleep(target.rng.uniform(0.0, cfg.interval))  # the drawn moment, not a wait
 
 
