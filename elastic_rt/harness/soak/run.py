@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import random
 import time
@@ -125,7 +124,7 @@ def run_soak(cfg: SoakConfig, root: Path) -> SoakResult:
     return SoakResult(
         cfg=cfg, started_ms=started_ms, seconds=time.monotonic() - began, skipped=skipped,
         injections=tuple(injections), verdicts=tuple(verdicts(injections, events)),
-        finished=finished, param_diff=param_diff(job.out, want) if finished else math.inf,
+        finished=finished, param_diff=param_diff(job.out, want),
         param_count=sum(int(t.numel()) for t in want.values()),
         state_bytes=3 * sum(int(t.numel()) * t.element_size() for t in want.values()),
         lost=lost, repeated=repeated, redone=redone, rounds=len(rounds),
