@@ -7,12 +7,14 @@ descriptors, memory, process groups, etcd keys, files) adds up and shows.
 runs a short one. The modules, one concern each:
 
 - :mod:`.config`: the fault kinds, how many, how often, how big the job is;
-- :mod:`.plan`: which node a fault may hit now (never below the job's minimum);
+- :mod:`.plan`: which node a fault may hit now (never below the job's minimum, never
+  the last copy of the state);
 - :mod:`.fleet`: the job's nodes as they come and go (new node ids), and the
-  newest round read from the event log;
+  newest round and state holders read from the event log;
 - :mod:`.faults`: each fault kind, injected into the running job;
-- :mod:`.audit`: pure verdicts over the event log: which faults the job survived,
-  re-forms, and each worker's footprint curve;
+- :mod:`.audit`: pure verdicts over the event log: faults survived and as designed,
+  stalls, evictions no fault explains;
+- :mod:`.footprint`: each worker's footprint curve over its re-forms;
 - :mod:`.leftovers`: what the run left in etcd and in the temp dir;
 - :mod:`.run`: the soak end to end, beside the chaos matrix's reference run;
 - :mod:`.report`: the printed tables.

@@ -2,7 +2,7 @@
 
 A fault acts on the node (or etcd member) :func:`.plan.place` chose and returns what
 it did as :class:`~.audit.Injection` records; whether the job survived is judged
-afterwards from the event log (:func:`.audit.survived`). A fault that takes a node
+afterwards from the event log (:func:`.audit.verdicts`). A fault that takes a node
 out for good (killed, left) starts its replacement under a new node id at once, and
 that start is recorded as a ``node-join``. Faults that pause a node (SIGSTOP, a cut)
 block until it is back, so faults never overlap.
