@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 from elastic_rt.events import Event
-from elastic_rt.harness.soak.audit import Injection, Verdict, longest_stall, unprovoked, verdicts
+from elastic_rt.harness.soak.audit import (Injection, Verdict, longest_stall, loss_gap,
+                                           unprovoked, verdicts)
 from elastic_rt.harness.soak.footprint import curves, longest_lived, slope
 from elastic_rt.harness.soak.plan import FleetView, Hold, Inject, place
 
@@ -119,6 +120,19 @@ def test_an_eviction_no_fault_explains_is_unprovoked() -> None:
     evicted_b = Event("node.evicted", "agent", 1500, node="a", metadata={"evicted": "b"})
     late = Event("agent.fenced", "agent", 60_000, node="c")
     assert unprovoked([stop], [evicted_c, fenced_c, evicted_b, late]) == [evicted_b, late]
+
+
+def test_the_loss_gap_compares_each_steps_batch_mean_in_its_newest_round() -> None:
+    def done(node: str, round_: int, step: int, loss: float | None) -> Event:
+        return Event("step.completed", "worker", 0, node=node, round=round_, step=step,
+                     metadata={"loss": loss})
+
+    ref = [done("solo", 0, 1, 0.5), done("solo", 0, 2, 0.25)]
+    log = [done("a", 0, 1, 0.4), done("b", 0, 1, 0.6),  # the mean of two halves
+           done("a", 0, 2, 9.0),  # abandoned in round 0, done again in round 1
+           done("a", 1, 2, 0.25), done("c", 1, 2, None)]  # c sat the step out
+    assert loss_gap(log, ref) == (2, 0.0)
+    assert loss_gap(log[:2], [done("solo", 0, 1, 0.5 + 1e-3)])[1] > 9e-4
 
 
 # footprint -------------------------------------------------------------------------------

@@ -168,3 +168,27 @@ def unprovoked(injections: list[Injection], events: list[Event]) -> list[Event]:
                                         for a, b in hits.get(str(node), ())):
             found.append(event)
     return found
+
+
+def loss_gap(events: list[Event], reference: list[Event]) -> tuple[int, float]:
+    """(steps compared, the largest difference) between the job's global loss at each step
+    and the reference run's: the same training, step by step, also in a job that did not
+    finish.
+
+    The job's global loss is the mean of its ranks' ``loss`` in the newest round that
+    completed the step (a rank that sat the step out reports none): the example's global
+    batch of 12 splits evenly at any world size up to 4, so that is the batch mean.
+    """
+    want = {e.step: e.metadata.get("loss") for e in reference if e.name == "step.completed"}
+    by_step: dict[int, list[Event]] = {}
+    for event in events:
+        if event.name == "step.completed" and event.step is not None:
+            by_step.setdefault(event.step, []).append(event)
+    gaps = []
+    for step, done in by_step.items():
+        newest = max(e.round or 0 for e in done)
+        losses = [e.metadata["loss"] for e in done
+                  if (e.round or 0) == newest and e.metadata.get("loss") is not None]
+        if losses and want.get(step) is not None:
+            gaps.append(abs(sum(losses) / len(losses) - want[step]))
+    return len(gaps), max(gaps, default=0.0)

@@ -51,8 +51,10 @@ def summary(result: SoakResult) -> str:
         f"({'<=' if result.param_diff <= TOLERANCE else '>'} {TOLERANCE:g}); "
         f"{result.param_count} {cfg.dtype} parameters, "
         f"{result.state_bytes / 1024:.0f} KiB of state per replica (with AdamW's moments)",
-        f"steps: {result.lost} lost, {result.repeated} repeated, {result.redone} redone "
-        "(trained again after the state that did them died)",
+        f"global loss vs the uninterrupted run's, step by step: max abs diff "
+        f"{result.loss_gap[1]:.2e} over {result.loss_gap[0]} steps",
+        f"steps: {result.lost} lost (never trained included), {result.repeated} repeated, "
+        f"{result.redone} redone (trained again after the state that did them died)",
         f"rounds formed: {result.rounds} ({result.rounds - 1} re-forms, "
         f"{result.paused_rounds} paused)",
         f"longest time without a completed step: {result.longest_stall[0]:.1f} s "

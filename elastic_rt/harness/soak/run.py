@@ -30,7 +30,8 @@ from elastic_rt.harness.chaos.trial import Job, Trial
 from elastic_rt.harness.etcd_cluster import EtcdCluster
 from elastic_rt.harness.ledger import ProcessLedger
 from elastic_rt.harness.soak import leftovers
-from elastic_rt.harness.soak.audit import Injection, Verdict, longest_stall, unprovoked, verdicts
+from elastic_rt.harness.soak.audit import (Injection, Verdict, longest_stall, loss_gap,
+                                           unprovoked, verdicts)
 from elastic_rt.harness.soak.config import JOIN, SoakConfig
 from elastic_rt.harness.soak.faults import FAULTS, Target
 from elastic_rt.harness.soak.fleet import Fleet
@@ -61,6 +62,8 @@ class SoakResult:
     verdicts: tuple[Verdict, ...]
     finished: bool
     param_diff: float
+    loss_gap: tuple[int, float]
+    """Steps whose global loss was compared with the reference's, and the largest gap."""
     param_count: int
     state_bytes: int
     """Of one replica: the parameters and AdamW's two moments."""
@@ -112,6 +115,7 @@ def run_soak(cfg: SoakConfig, root: Path) -> SoakResult:
         etcd = _etcd_left(cluster, job)
         events = job.events()
         want = reference.params()
+        reference_events = reference.job.events()
     finally:
         cluster.stop()
         orphans = sweep(trial, cluster.members[0]) if trial is not None else 0
@@ -125,6 +129,7 @@ def run_soak(cfg: SoakConfig, root: Path) -> SoakResult:
         cfg=cfg, started_ms=started_ms, seconds=time.monotonic() - began, skipped=skipped,
         injections=tuple(injections), verdicts=tuple(verdicts(injections, events)),
         finished=finished, param_diff=param_diff(job.out, want),
+        loss_gap=loss_gap(events, reference_events),
         param_count=sum(int(t.numel()) for t in want.values()),
         state_bytes=3 * sum(int(t.numel()) * t.element_size() for t in want.values()),
         lost=lost, repeated=repeated, redone=redone, rounds=len(rounds),
