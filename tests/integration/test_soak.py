@@ -1,10 +1,13 @@
 """A short soak: one 4-node job trains through 40 seeded random faults, unchanged.
 
 ``scripts/bench/soak.py`` runs the long one (500 faults); this runs the same
-machinery (``elastic_rt.harness.soak``) with faults a second apart and short pauses,
-in about two minutes on two cores. The job must finish with the parameters of an
-uninterrupted 1-node run (float64, 1e-5), every step done once, every fault survived,
-and its longest-lived worker must not grow with its re-forms.
+machinery (``elastic_rt.harness.soak``) with faults about a second apart, short pauses,
+and a fault that cannot land within a second giving way to one that can, in about two
+minutes on two cores. The job must finish with the parameters of an uninterrupted
+1-node run (float64, 1e-5), every step done once, every fault survived, and its
+longest-lived worker must not grow with its re-forms. ``docs/soak.md`` lists what the
+soak found in the runtime; until those are fixed this test fails on some runs (a hang,
+reported with the workers' stacks, or an agent ended by an etcd member's restart).
 """
 
 from __future__ import annotations
