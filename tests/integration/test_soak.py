@@ -22,7 +22,7 @@ from elastic_rt.harness.soak.report import report
 from elastic_rt.harness.soak.run import run_soak
 
 CONFIG = SoakConfig(faults=40, interval=0.5, seed=20261206, min_nodes=1, pause_s=(0.3, 1.2),
-                    step_time=0.05, steps=1100, hold_timeout=60.0, give_way_s=1.0,
+                    step_time=0.05, steps=1100, hold_timeout=60.0, give_way_s=2.0,
                     stall_timeout=30.0)
 MIN_FAULTS = 30
 """Faults that must have landed before training ran out of steps (40 are drawn)."""
@@ -36,8 +36,9 @@ first recovery), then flat; each abandoned round still held adds about 13 (gloo'
 per group and a loop per device) until its collectives finish; two held at once are
 allowed. Before abandoned rounds were released, a worker gained 8-9 threads per re-form
 (29 -> 150 over 14 faults)."""
-ABANDONED_BOUND = 8
-"""Process groups of abandoned rounds held at once: two rounds of four groups."""
+ABANDONED_BOUND = 12
+"""Process groups of abandoned rounds held at once: three rounds of four groups (two were
+seen; a worker that never released them held 16 after 8 re-forms)."""
 
 
 @pytest.mark.slow

@@ -123,16 +123,17 @@ def test_an_eviction_no_fault_explains_is_unprovoked() -> None:
 
 
 def test_the_loss_gap_compares_each_steps_batch_mean_in_its_newest_round() -> None:
-    def done(node: str, round_: int, step: int, loss: float | None) -> Event:
+    def done(node: str, round_: int, step: int, loss: float | None, world: int = 2) -> Event:
         return Event("step.completed", "worker", 0, node=node, round=round_, step=step,
-                     metadata={"loss": loss})
+                     metadata={"loss": loss, "world_size": world})
 
-    ref = [done("solo", 0, 1, 0.5), done("solo", 0, 2, 0.25)]
+    ref = [done("solo", 0, 1, 0.5, 1), done("solo", 0, 2, 0.25, 1), done("solo", 0, 3, 0.1, 1)]
     log = [done("a", 0, 1, 0.4), done("b", 0, 1, 0.6),  # the mean of two halves
            done("a", 0, 2, 9.0),  # abandoned in round 0, done again in round 1
-           done("a", 1, 2, 0.25), done("c", 1, 2, None)]  # c sat the step out
+           done("a", 1, 2, 0.25), done("c", 1, 2, None),  # c sat the step out
+           done("a", 1, 3, 0.7)]  # only a logged step 3: not compared
     assert loss_gap(log, ref) == (2, 0.0)
-    assert loss_gap(log[:2], [done("solo", 0, 1, 0.5 + 1e-3)])[1] > 9e-4
+    assert loss_gap(log[:2], [done("solo", 0, 1, 0.5 + 1e-3, 1)])[1] > 9e-4
 
 
 # footprint -------------------------------------------------------------------------------

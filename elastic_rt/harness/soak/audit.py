@@ -177,7 +177,9 @@ def loss_gap(events: list[Event], reference: list[Event]) -> tuple[int, float]:
 
     The job's global loss is the mean of its ranks' ``loss`` in the newest round that
     completed the step (a rank that sat the step out reports none): the example's global
-    batch of 12 splits evenly at any world size up to 4, so that is the batch mean.
+    batch of 12 splits evenly at any world size up to 4, so that is the batch mean. A step
+    that not every rank of that round logged (a collective that ended on some ranks only,
+    whose state went on from them) is not compared.
     """
     want = {e.step: e.metadata.get("loss") for e in reference if e.name == "step.completed"}
     by_step: dict[int, list[Event]] = {}
@@ -187,8 +189,9 @@ def loss_gap(events: list[Event], reference: list[Event]) -> tuple[int, float]:
     gaps = []
     for step, done in by_step.items():
         newest = max(e.round or 0 for e in done)
-        losses = [e.metadata["loss"] for e in done
-                  if (e.round or 0) == newest and e.metadata.get("loss") is not None]
-        if losses and want.get(step) is not None:
+        ranks = [e for e in done if (e.round or 0) == newest]
+        losses = [e.metadata["loss"] for e in ranks if e.metadata.get("loss") is not None]
+        if losses and want.get(step) is not None and len(ranks) == ranks[0].metadata.get(
+                "world_size", len(ranks)):
             gaps.append(abs(sum(losses) / len(losses) - want[step]))
     return len(gaps), max(gaps, default=0.0)
