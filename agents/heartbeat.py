@@ -170,6 +170,14 @@ class Heartbeat:
         current = self.registry.node(watch.info.node_id)
         if current is None or current.lease != watch.info.lease:
             return
+        # Nor by a watcher whose round is gone: a node cut off from the network hears
+        # nothing from its peer either, and its etcd calls wait until the link is back,
+        # by when the others have formed a round without it. Its silence was its own:
+        # revoking the peer's lease then evicted a healthy node (a soak saw the job drop
+        # below its minimum and lose its state that way).
+        latest = self.registry.current_round()
+        if latest is not None and latest.number > watch.round.number:
+            return
         silent_s = time.monotonic() - watch.last_answer
         self.registry.evict(current)
         logger.warning("evicted %s from round %d: %s for %.2f s", current.node_id,

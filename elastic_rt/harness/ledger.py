@@ -110,6 +110,11 @@ class ProcessLedger:
         with self._lock:
             return len(self._seen)
 
+    def seen_pids(self) -> set[int]:
+        """The PIDs of every process the ledger has seen so far, alive or not."""
+        with self._lock:
+            return {pid for pid, _ in self._seen}
+
     # signalling -----------------------------------------------------------------------
     def signal_tree(self, pid: int, sig: int) -> float:
         """Send ``sig`` to every process group of ``pid``'s tree at once.

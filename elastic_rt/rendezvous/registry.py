@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Mapping
 
-from elastic_rt.errors import FencedOutError, RendezvousTimeoutError
+from elastic_rt.errors import FencedOutError, RendezvousTimeoutError, StoreError
 from elastic_rt.rendezvous.kv import (
     Delete,
     Get,
@@ -55,6 +56,8 @@ from elastic_rt.rendezvous.kv import (
 )
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
 from elastic_rt.root_cause import RootCause
+
+logger = logging.getLogger(__name__)
 
 ROUND = "round"
 LEADER = "round-leader"
@@ -315,18 +318,24 @@ class RunRegistry(RunRequests):
         The agent that agrees on a round and each worker that joins it wait here, so
         both read the address the same way (:func:`store_endpoint`). Returns None as
         soon as ``gone()`` says it never will be published (the round was replaced, or
-        its host left first).
+        its host left first). A read that etcd fails is a poll that found nothing: a
+        member of a cluster that restarts fails the call in flight ("leader changed", a
+        reset stream) and the next goes to another member. Raised, it ended the agent
+        or the worker waiting here (a soak saw both, and the job lose its state).
 
         Raises:
             RendezvousTimeoutError: neither within ``timeout``.
         """
         deadline = time.monotonic() + timeout.total_seconds()
         while time.monotonic() < deadline:
-            address = self.store_address(round_number)
-            if address:
-                return store_endpoint(address)
-            if gone():
-                return None
+            try:
+                address = self.store_address(round_number)
+                if address:
+                    return store_endpoint(address)
+                if gone():
+                    return None
+            except StoreError as exc:
+                logger.warning("etcd failed a read of round %d's store: %s", round_number, exc)
             sleep(poll)
         raise RendezvousTimeoutError(f"no store address for round {round_number}",
                                      "Check that its first node is alive.")

@@ -75,10 +75,10 @@ class RoundFollower:
         deadline = time.monotonic() + 120
         while self.env.round < 0 or time.monotonic() < deadline:
             self._changed.clear()  # set by the watch when a round key changes: read again
-            current = self.registry.current_round()
+            current = self._read_round()
             if current is not None and current.number >= self.env.round and self._in(current):
                 return current
-            if self.env.round < 0 and (closed := self.registry.closed_reason()) is not None:
+            if self.env.round < 0 and (closed := self._read_closed()) is not None:
                 raise RendezvousClosedError(f"the job was closed before this worker had a "
                                             f"rank: {closed}")
             self._changed.wait(5.0 if self.env.round < 0 else 0.2)  # a spare may wait hours
@@ -135,6 +135,24 @@ class RoundFollower:
             round_.number, timeout, gone=lambda: self.has_newer_round(round_.number),
             sleep=time.sleep, poll=0.01,
         )  # fmt: skip
+
+    def _read_round(self) -> Round | None:
+        """The run's round; None also while etcd fails the read (the caller polls): a
+        cluster member that restarts fails the call in flight, and raised, it ended the
+        worker before it joined its first round."""
+        try:
+            return self.registry.current_round()
+        except StoreError as exc:
+            logger.warning("etcd failed a read of the round: %s", exc)
+            return None
+
+    def _read_closed(self) -> str | None:
+        """Why the run closed, if it did; None also while etcd fails the read."""
+        try:
+            return self.registry.closed_reason()
+        except StoreError as exc:
+            logger.warning("etcd failed a read of the run's state: %s", exc)
+            return None
 
     def report_failure(self, round_: Round) -> None:
         """Ask the agents to check on our peers, unless a newer round already exists."""

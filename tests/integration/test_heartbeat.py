@@ -114,3 +114,22 @@ def test_a_peer_that_answers_stays_and_one_that_left_is_not_evicted(
     finally:
         alive.close()
     assert [e for e in events(tmp_path / "events.jsonl") if e.name == "node.evicted"] == []
+
+
+def test_a_watcher_whose_round_is_gone_evicts_nobody(registry: RunRegistry,
+                                                     tmp_path: Path) -> None:
+    # a was cut off: its probes of b failed, and meanwhile the others formed round 2
+    # without a. Its silence was its own; b, healthy, must stay.
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{gone.getsockname()[1]}"
+    gone.close()  # b looks dead from a: its port refuses
+    _register_b(registry, address)
+    newer = Round(number=2, members=("b", "c"), nprocs=(1, 1), hosts=("127.0.0.1",) * 2)
+    registry.kv.put(registry.key("round"), newer.to_json())
+    heartbeat, evicted = _watch_from_a(registry, tmp_path)
+    try:
+        assert not evicted.wait(CONFIG.window_s * 5)
+    finally:
+        heartbeat.stop()
+    assert registry.node("b") is not None

@@ -52,6 +52,14 @@ def test_audit_accepts_a_step_only_another_rank_completed_before_handing_its_sta
     assert audit_steps(log, 3) == (0, 0, 0)
 
 
+def test_audit_ignores_a_late_completion_by_an_older_rounds_rank_0() -> None:
+    # c, rank 0 of round 1, was paused mid-step 2; a (rank 0 of round 2) went on
+    # without it, and c logged step 2 of round 1 once it woke.
+    log = [_round(1, "c", "a"), _done("c", 1, 1), _round(2, "a"), _done("a", 2, 2),
+           _done("a", 2, 3), _done("c", 1, 2)]
+    assert audit_steps(log, 3) == (0, 0, 0)
+
+
 # stale writes of a node that woke up -----------------------------------------------------
 def test_a_checkpoint_committed_for_an_old_round_after_waking_is_stale() -> None:
     commit = Event("checkpoint.committed", "worker", 200, node="c", round=1, step=4)

@@ -1,14 +1,20 @@
-"""How the agent and the workers read a round's store address: one poll, one parse."""
+"""How the agent and the workers read a round's store address: one poll, one parse, and
+the worker's retry while etcd fails a read."""
 
 from __future__ import annotations
 
+import threading
+import types
 from datetime import timedelta
 
 import pytest
 
-from elastic_rt.errors import RendezvousTimeoutError
+from elastic_rt.config import WorkerEnv
+from elastic_rt.errors import RendezvousTimeoutError, StoreConnectionError
 from elastic_rt.rendezvous.kv import KeyValue
 from elastic_rt.rendezvous.registry import RunRegistry, store_endpoint
+from elastic_rt.rendezvous.rounds import Round
+from elastic_rt.worker.membership import RoundFollower
 
 
 class _Published:
@@ -54,3 +60,46 @@ def test_no_address_in_time_is_a_rendezvous_timeout() -> None:
     with pytest.raises(RendezvousTimeoutError, match="no store address for round 2"):
         registry(None).await_store(2, timedelta(0), gone=lambda: False, sleep=lambda _: None,
                                    poll=0.05)
+
+
+class _Flaky(_Published):
+    """A cluster member restarting: the first ``failures`` reads raise, as etcd3 does."""
+
+    def __init__(self, address: str, failures: int) -> None:
+        super().__init__(address)
+        self.failures = failures
+
+    def get(self, key: str) -> KeyValue | None:
+        if self.failures:
+            self.failures -= 1
+            raise StoreConnectionError(f"etcd failed on get {key}: leader changed")
+        return super().get(key)
+
+
+def test_a_read_that_etcd_fails_is_polled_again() -> None:
+    # An agent and a worker waiting here while a cluster member restarted got "leader
+    # changed" once; raised, it ended them (and the only copy of the state with one).
+    flaky = RunRegistry(_Flaky("h:1", failures=2), "r")  # type: ignore[arg-type]
+    assert flaky.await_store(2, timedelta(seconds=5), gone=lambda: False,
+                             sleep=lambda _: None, poll=0.05) == ("h", 1)
+    down = RunRegistry(_Flaky("h:1", failures=10**9), "r")  # type: ignore[arg-type]
+    with pytest.raises(RendezvousTimeoutError):  # not forever
+        down.await_store(2, timedelta(seconds=0.1), gone=lambda: False,
+                         sleep=lambda _: None, poll=0.05)
+
+
+def test_a_worker_reads_its_first_round_again_when_etcd_fails_a_read() -> None:
+    round_ = Round(number=2, members=("a",), nprocs=(1,), hosts=("h",))
+    reads: list[Round | Exception] = [StoreConnectionError("leader changed"), round_]
+
+    def current_round() -> Round:
+        value = reads.pop(0)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    follower = RoundFollower.__new__(RoundFollower)
+    follower.env = WorkerEnv(node_id="a", run_id="r", endpoint="e", round=2)
+    follower.registry = types.SimpleNamespace(current_round=current_round)  # type: ignore
+    follower._changed = threading.Event()
+    assert follower.current() == round_

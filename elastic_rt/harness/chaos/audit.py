@@ -50,12 +50,17 @@ def audit_steps(events: list[Event], steps: int) -> tuple[int, int, int]:
     unless another rank completed those steps: a survivor that finished a step
     rank 0 did not (a collective can end on some ranks only) hands its state on.
     Legitimately undone steps are counted as redone: work lost, not samples.
+    A completion by the rank 0 of a round older than one rank 0 already completed a
+    step in is no part of the lineage: it is logged late, by a worker that was paused
+    or cut off mid-step, whose round the others had left (:func:`stale_writes` judges
+    whether it trained on alone).
     """
     members: dict[int, tuple[str, ...]] = {}
     state_lost_at: dict[str, list[int]] = {}
     lineage: list[tuple[int, int, str]] = []  # (step, event index, node)
     lost = repeated = redone = 0
     done_anywhere: set[int] = set()
+    newest = -1
     for index, event in enumerate(events):
         if event.name == "round.formed" and event.source == "agent" and event.round is not None:
             members[event.round] = tuple(event.metadata.get("members", ()))
@@ -65,6 +70,10 @@ def audit_steps(events: list[Event], steps: int) -> tuple[int, int, int]:
             done_anywhere.add(event.step)
         if event.name != "step.completed" or event.rank != 0 or event.step is None:
             continue
+        if event.round is not None:
+            if event.round < newest:
+                continue
+            newest = event.round
         while lineage and lineage[-1][0] >= event.step:
             _, done_at, node = lineage.pop()
             gone = node not in members.get(event.round if event.round is not None else -1, (node,))

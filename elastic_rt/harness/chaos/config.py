@@ -24,3 +24,7 @@ class ChaosConfig:
     trial_timeout: float = 180.0
     every: int = 2
     """Checkpoint interval of the mid-checkpoint fault (small: a write is often in flight)."""
+    max_restarts: int = 5
+    """Worker failures a job absorbs (``--max-restarts``); membership changes are free."""
+    script_args: tuple[str, ...] = ()
+    """More flags for the training script (:data:`SCRIPT`)."""

@@ -9,7 +9,6 @@ from the seeded RNG, injects, and records fault-specific checks; the common audi
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import signal
 import time
@@ -108,11 +107,8 @@ def sigkill_worker(trial: Trial, rng: random.Random) -> None:
     if not job.wait_step(at):
         return
     time.sleep(rng.uniform(0, trial.cfg.step_time))
-    pids = job.worker_pids(victim)
+    pids = job.kill_workers(victim)
     trial.note(f"SIGKILL worker {pids} of {victim} at step {job.step()}")
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
     job.wait_for(lambda: any(e.name == "worker.restarted" and e.node == victim
                              for e in job.events()), 60, f"{victim}'s worker restarted")
 

@@ -1,7 +1,9 @@
 """Network-namespace plumbing for the cut-off fault: one node behind its own veth pair.
 
 Needs root and iproute2; :func:`skip_reason` says why the fault cannot run here.
-Names carry this process's PID, so two chaos runs never share a namespace.
+Names and the pair's subnet carry this process's PID, so two chaos runs or soaks on
+one machine never share a namespace or an address (with one fixed subnet, the second
+run's veth took the first one's host address, and its namespaced node never joined).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import os
 import shutil
 import subprocess
 
-HOST_IP, NODE_IP = "10.213.7.1", "10.213.7.2"
+_SUBNET = f"10.213.{os.getpid() % 250}"
+HOST_IP, NODE_IP = f"{_SUBNET}.1", f"{_SUBNET}.2"
 NAMESPACE = f"ert-chaos-{os.getpid()}"
 VETH_HOST, VETH_NODE = f"ertc{os.getpid() % 100000}h", f"ertc{os.getpid() % 100000}n"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import shutil
 import time
@@ -103,15 +104,22 @@ def _cmdline(proc: psutil.Process) -> list[str]:
 
 
 def _params_equal(path: Path, want: dict[str, Any]) -> bool:
+    return param_diff(path, want) <= TOLERANCE
+
+
+def param_diff(path: Path, want: dict[str, Any]) -> float:
+    """The largest absolute difference between the parameters saved at ``path`` and
+    ``want``; infinite when the file is missing or unreadable or names other tensors."""
     import torch
 
     try:
         got = torch.load(path)
     except (OSError, RuntimeError, EOFError):
-        return False
-    if set(got) != set(want):
-        return False
-    return all(torch.allclose(got[k], want[k], atol=TOLERANCE, rtol=0) for k in want)
+        return math.inf
+    if set(got) != set(want) or any(got[k].shape != want[k].shape for k in want):
+        return math.inf
+    return max((float((got[k] - want[k]).abs().max()) for k in want if want[k].numel()),
+               default=0.0)
 
 
 def _damaged_checkpoints(job: Job) -> int:

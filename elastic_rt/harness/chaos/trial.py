@@ -9,7 +9,9 @@ fault-specific checks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -53,6 +55,7 @@ class Node:
     name: str
     proc: subprocess.Popen[bytes]
     killed: bool = False
+    """Taken out by the harness (killed, or told to leave): not expected to finish."""
 
 
 class Job:
@@ -81,10 +84,11 @@ class Job:
             "--nnodes", self.nnodes, "--nproc-per-node", "1",
             "--rdzv-endpoint", f"etcd://{self.endpoint}", "--run-id", self.run_id,
             "--node-id", name, "--events-file", str(self.tail.path),
-            "--lease-ttl", str(self.lease_ttl), "--last-call", "5", "--max-restarts", "5",
+            "--lease-ttl", str(self.lease_ttl), "--last-call", "5",
+            "--max-restarts", str(cfg.max_restarts),
             *(("--local-addr", host) if host else ()),
             SCRIPT, "--steps", str(cfg.steps), "--out", str(self.out),
-            "--step-time", str(self.step_time),
+            "--step-time", str(self.step_time), *cfg.script_args,
         ]  # fmt: skip
         if self.ckpt_dir is not None:
             args += ["--checkpoint", f"file://{self.ckpt_dir}", "--every", str(cfg.every)]
@@ -137,6 +141,28 @@ class Job:
         self.nodes[name].killed = True
         self.nodes[name].proc.wait()
         self.trial.note(f"{self.run_id}: SIGKILL node {name} at step {self.step()}")
+
+    def kill_workers(self, name: str) -> list[int]:
+        """SIGKILL the node's worker processes only (its agent restarts them); their PIDs."""
+        pids = self.worker_pids(name)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
+
+    def leave_node(self, name: str, timeout: float = 60.0) -> int | None:
+        """SIGTERM the node's agent only: it leaves gracefully (stops its workers, revokes
+        its lease). Its exit code (128 + SIGTERM), or None if it outlived ``timeout``."""
+        node = self.nodes[name]
+        node.killed = True
+        with contextlib.suppress(ProcessLookupError):
+            node.proc.send_signal(signal.SIGTERM)
+        try:
+            return node.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.trial.problem(f"{self.run_id}: node {name} still running {timeout:.0f} s "
+                               "after SIGTERM")
+            return None
 
     def wait_for(self, condition: Callable[[], object], timeout: float, what: str) -> bool:
         """Poll ``condition``; on timeout the trial gets a problem and this returns False."""
