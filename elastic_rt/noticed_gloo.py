@@ -18,7 +18,8 @@ collective (the groups are abandoned, the step is retried in the new round). The
 collective itself stays in gloo's thread and, should it ever finish, writes only into that
 round's buffers, which the new round does not use. A finished collective wakes its waiter at
 once (gloo signals completion); only the notice is seen up to one slice late. A send or
-recv is waited on by a thread of its own (gloo's cannot be waited on in slices).
+recv is waited on by a thread of its own (gloo's cannot be waited on in slices), and so is
+the group's construction, which connects to every peer (:func:`_connected`).
 
 Does not cover: a wait made in C++ on the work's future (DDP's reducer calls
 ``getFuture()->wait()``: that one waits for gloo), and groups that mix NCCL and gloo: a
@@ -177,7 +178,7 @@ class NoticedGloo(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg] # the trampoline's own form
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._gloo = _connected(store, rank, size, timeout)
         self._group = dist.ProcessGroup(store, rank, size)
         gloo_type = dist.ProcessGroup.BackendType.GLOO
         self._group._set_default_backend(gloo_type)
@@ -239,6 +240,42 @@ class NoticedGloo(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._group.shutdown()
+
+
+def _connected(store: dist.Store, rank: int, size: int,
+               timeout: timedelta) -> dist.ProcessGroupGloo:
+    """gloo's group, connected to every peer, unless the round is over first.
+
+    gloo connects its full mesh in the constructor and waits there for every peer, up to
+    the whole collective timeout: a peer that died while the round formed held the
+    others for ten minutes with a ten-minute timeout (seen in the soak). So the
+    constructor runs in a thread of its own, and the caller waits in slices through the
+    notice; on notice the thread is left to end with gloo's timeout.
+
+    Raises:
+        RoundAbandoned: the round was abandoned before every peer connected.
+        RuntimeError: gloo's own error (a peer's connection refused, the timeout).
+    """
+    made: list[dist.ProcessGroupGloo] = []
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def connect() -> None:
+        try:
+            made.append(dist.ProcessGroupGloo(store, rank, size, timeout))
+        except BaseException as exc:  # noqa: B902 - handed to the waiting thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=connect, name="noticed-gloo-connect", daemon=True).start()
+    while not done.wait(SLICE.total_seconds()):
+        if _round_is_over():
+            raise RoundAbandoned("a newer round dropped a member of ours while this round's "
+                                 "gloo group connected")
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 _COLLECTIVES = (

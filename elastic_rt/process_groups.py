@@ -139,8 +139,12 @@ def init_groups(
     try:
         groups = _create(store, rank, layout, prefix, timeout, join_timeout or timeout, backend)
     except BaseException:
-        # A half-made round (a peer never came) must not block the next attempt.
-        destroy_groups(None)
+        # A half-made round (a peer never came, or the round was abandoned while its
+        # groups connected) must not block the next attempt, nor name its groups: torch
+        # counted the group it was making, and a rank that counts one group more than
+        # its peers looks for the next round's keys under another name (seen: a whole
+        # round waiting in gloo's connect for keys nobody wrote).
+        abandon_groups(None)
         raise
     logger.info("Process groups ready: rank %s of %s, layout %s, backend %s",
                 rank, world_size, layout, backend)
@@ -246,13 +250,12 @@ def abandon_groups(groups: Groups | None) -> None:
     writing only into that round's buffers; then :func:`release_abandoned` lets them go.
     The next :func:`init_groups` starts afresh (its store prefix is the new round's).
     """
-    if not dist.is_initialized():
-        return
     abort_groups()
     world = c10d._world
-    for group in world.pg_map:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-    _abandoned.append(list(world.pg_map))
+    if world.pg_map:
+        for group in world.pg_map:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        _abandoned.append(list(world.pg_map))
     c10d._update_default_pg(None)
     for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
                      world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):

@@ -3,7 +3,7 @@
 A node told it will go (SIGTERM, a preemption notice) that leaves at once costs the
 others a failed step: their collectives break mid-step, they re-form and do the step
 again. In-process workers can do better, because every rank can learn at the same step
-boundary that a member leaves (``elastic_rt/worker/leave_vote.py``): so the agent tells
+boundary that a member leaves (``elastic_rt/worker/boundary_vote.py``): so the agent tells
 its workers (:class:`AnnounceLeave`), they finish the step they are in, hand their state
 over where the others need it (FSDP's shards go to peer copies of that very step), and
 say which step they left after; then the agent writes the round without the node and

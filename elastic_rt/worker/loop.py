@@ -92,7 +92,7 @@ from elastic_rt.worker.footprint import footprint
 from elastic_rt.worker.grad_sync import GradSync
 from elastic_rt.worker.hang import HangWatchdog, report_stall
 from elastic_rt.worker.joined_round import JoinedRound, close_round, collective_timeout, join
-from elastic_rt.worker.leave_vote import LeaveVote
+from elastic_rt.worker.boundary_vote import BoundaryVote, Stop
 from elastic_rt.worker.progress import ProgressPublisher, StepClock, StepReport, published_step
 from elastic_rt.worker.run_options import RunOptions
 from elastic_rt.worker.rss_peak import RssPeak
@@ -226,7 +226,7 @@ class _ElasticLoop:
         registry = self.membership.registry
         self.publisher = ProgressPublisher(registry) if registry is not None else None
         self.checkpoint = self._for_run(checkpoint, registry)
-        self.leave_vote = LeaveVote(self.membership.leave_note)
+        self.vote = BoundaryVote(self.membership.leave_note)
 
     def _prepare(self, membership: Membership) -> None:
         """A standby worker builds its state before its node registers, for the layout of
@@ -309,13 +309,13 @@ class _ElasticLoop:
 
     def _train(self, joined: JoinedRound) -> None:
         while self.progress.step < self.options.max_steps:
-            # A newer round waits for the step a stream lands in: that step finishes it.
-            if not self.sitting_out and self.membership.has_newer_round(joined.number):
-                raise NewerRound()
+            # A newer round is joined at a boundary every rank votes for (boundary_vote),
+            # and waits for the step a stream lands in: that step finishes it.
+            newer = not self.sitting_out and self.membership.has_newer_round(joined.number)
             # a restore may leave it dirty: a receiver whose streamed state lands in this step
             self.progress.is_dirty = self.progress.is_dirty or not self.trainer.is_step_atomic()
             joined.at_step(self.progress.step + 1)
-            self.leave_vote.begin(joined.groups.world)
+            self.vote.begin(joined.groups.world, newer_round=newer)
             local_loss, contribution = self.train_step(joined)
             self.sampler.advance()
             self.progress.step += 1
@@ -331,8 +331,13 @@ class _ElasticLoop:
             # not make the next round train the step again (it loses only this report).
             global_loss = self._global_loss(joined, contribution) if self.on_step else None
             self._after_step(joined, local_loss, global_loss)
-            if self.leave_vote.anyone_leaves() and self.progress.step < self.options.max_steps:
+            if self.progress.step >= self.options.max_steps:
+                break
+            stop = self.vote.outcome()
+            if stop & Stop.LEAVE:
                 self.leave_together(joined)
+            if stop & Stop.NEWER_ROUND:
+                raise NewerRound()
             if self.balancer.record(self._step_samples, self.trainer.compute_seconds()):
                 self._rebalance(joined)
 
@@ -434,8 +439,8 @@ class _ElasticLoop:
         began, step = time.monotonic(), self.progress.step
         self._finish_checkpoint()
         self.trainer.hand_over(joined.ctx, step)
-        leaving = self.leave_vote.is_mine
-        self._phase("leave.agreed", began, leaving=leaving, source=self.leave_vote.source)
+        leaving = self.vote.is_mine
+        self._phase("leave.agreed", began, leaving=leaving, source=self.vote.source)
         if leaving:
             self.membership.left(step)
             raise NodeLeaving(step)

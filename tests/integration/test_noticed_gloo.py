@@ -92,9 +92,18 @@ KINDS: dict[str, Callable[[Groups], None]] = {
 }
 
 
-def _form(env: WorkerEnv, number: int) -> Groups:
-    return init_groups(env.store, rank=env.rank, world_size=3, layout=Layout(dp=3, shard=3),
-                       prefix=f"/elastic_rt/test/round-{number}/", timeout=TEN_MINUTES)
+def _form(env: WorkerEnv, number: int, store: dist.Store | None = None) -> Groups:
+    return init_groups(store or env.store, rank=env.rank, world_size=3,
+                       layout=Layout(dp=3, shard=3), prefix=f"/elastic_rt/test/round-{number}/",
+                       timeout=TEN_MINUTES)
+
+
+def _client(env: WorkerEnv) -> dist.TCPStore:
+    """A client of the test's store of its own (one client blocked in a wait blocks every
+    other call on it)."""
+    store = env.store
+    assert isinstance(store, dist.TCPStore)
+    return dist.TCPStore(store.host, store.port, is_master=False, timeout=TEN_MINUTES)
 
 
 def _abandon_each_kind(env: WorkerEnv) -> dict[str, object]:
@@ -140,4 +149,42 @@ def test_every_collective_on_a_round_notice_returns_whoever_issued_it() -> None:
             assert seen["outcome"] == "abandoned", kind
             # not the 10-minute timeout: the notice, seen within a slice
             assert NOTICE_AFTER_S - 0.05 < seen["waited"] < NOTICE_AFTER_S + 2.0, (kind, seen)
+    assert [r["sum"] for r in results] == [6.0] * 3
+
+
+def _abandon_a_round_while_it_forms(env: WorkerEnv) -> dict[str, object]:
+    """Rank 2 never builds round 0's groups (it died as the round formed): gloo's
+    constructor waits for it to connect, and only the notice may end that wait.
+
+    Each round has a store client of its own, as in the loop (``join_round_store``): the
+    abandoned constructor stays blocked in its client's wait for the missing peer."""
+    notice = round_notice()
+    notice.train_in(loopback_round(0, "a", "b", "c"))
+    seen: dict[str, object] = {}
+    if env.rank == HUNG:
+        env.store.wait(["formed-0", "formed-1"])
+    else:
+        threading.Timer(NOTICE_AFTER_S, notice.observe,
+                        args=(loopback_round(1, "a", "b"),)).start()
+        began = time.monotonic()
+        try:
+            abandon_groups(_form(env, 0, store=_client(env)))
+            seen["outcome"] = "formed"
+        except RoundAbandoned:
+            seen["outcome"] = "abandoned"
+        seen["waited"] = time.monotonic() - began
+        env.store.set(f"formed-{env.rank}", "1")
+    notice.train_in(loopback_round(2, "a", "b", "c"))
+    groups = _form(env, 2, store=_client(env))  # the next round forms in the same processes
+    total = torch.tensor([float(env.rank + 1)])
+    dist.all_reduce(total, group=groups.world)
+    destroy_groups(groups)
+    return {**seen, "sum": total.item()}
+
+
+def test_a_round_that_loses_a_peer_while_its_groups_form_is_abandoned_on_notice() -> None:
+    results = run_workers(_abandon_a_round_while_it_forms, 3, timeout_s=120)
+    for survivor in results[:HUNG]:
+        assert survivor["outcome"] == "abandoned"
+        assert survivor["waited"] < NOTICE_AFTER_S + 2.0, survivor  # not the 10 minutes
     assert [r["sum"] for r in results] == [6.0] * 3
