@@ -193,7 +193,11 @@ class Agent:
     # the hands: each action, carried out (see agents.dispatch) -----------------------
     def propose(self, action: policy.ProposeRound) -> None:
         self.inbox.reread()
-        propose_round(self.watch.propose, self.events, action)
+        try:
+            propose_round(self.watch.propose, self.events, action)
+        except StoreError as exc:  # nothing written: the next look decides again
+            logger.warning("proposing round %d failed (%s); looking again",
+                           action.proposal.round.number, exc)
 
     def start_workers(self, action: policy.StartWorkers) -> policy.WorkersStarted | None:
         master = self._agree_on_store(action.round)
@@ -226,10 +230,28 @@ class Agent:
                                     give_up=lambda: self.inbox.wants_to_leave,
                                     sleep=self.inbox.sleep)
         if action.register:
-            self.keeper = self._lease_keeper()
-            self.keeper.start()
+            self.keeper = self._registered_once_etcd_answers()
         return policy.StandbyStarted(action.round, announced=self.workers.in_process(),
                                      registered=action.register)
+
+    def _registered_once_etcd_answers(self) -> LeaseKeeper:
+        """Register on a new lease, retrying an etcd that fails the call (a cluster member
+        restarting ended the agent here in the soak) for ``--etcd-wait``.
+
+        Raises:
+            StoreError: etcd still failed the registration after the wait.
+        """
+        deadline = time.monotonic() + self.config.rendezvous.etcd_wait.total_seconds()
+        while True:
+            keeper = self._lease_keeper()
+            try:
+                keeper.start()
+                return keeper
+            except StoreError as exc:
+                if time.monotonic() >= deadline or self.inbox.wants_to_leave:
+                    raise
+                logger.warning("registering failed (%s); retrying", exc)
+                self.inbox.sleep(self.settings.retry_after.total_seconds())
 
     def gather_failure(self, action: policy.HandleFailure) -> policy.FailureSeen:
         """Say which workers failed, stop the others, and learn what the failure costs."""

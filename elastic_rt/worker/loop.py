@@ -235,7 +235,11 @@ class _ElasticLoop:
         (a wrong guess is built again in the round)."""
         if self.env.in_round or membership.registry is None:
             return
-        current = membership.registry.current_round()
+        try:
+            current = membership.registry.current_round()
+        except StoreError as exc:  # built in the round instead
+            logger.warning("no build ahead of the round: etcd failed a read (%s)", exc)
+            return
         world = current.world_size if current is not None else 0
         is_full = current is not None and len(current.members) >= self.env.max_nodes > 0
         if not is_full:

@@ -127,10 +127,26 @@ class ProgressPublisher:
                     return
 
 
-def published_step(registry: RunRegistry | None) -> int:
+def published_step(registry: RunRegistry | None, *, wait_s: float = 30.0) -> int:
     """The newest step the run has published in its ``progress`` key; -1 before the first,
     and outside ``elastic-rt launch`` (no registry). A restore that finds no state reads
-    it, so that workers started again never begin the job anew without saying so."""
-    progress = registry.progress() if registry is not None else None
+    it, so that workers started again never begin the job anew without saying so: a read
+    etcd fails (a member restarting) is tried again for up to ``wait_s``, never taken
+    for "nothing published".
+
+    Raises:
+        StoreError: etcd failed every read for ``wait_s``.
+    """
+    if registry is None:
+        return -1
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            progress = registry.progress()
+            break
+        except StoreError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
     step = progress.get("step") if progress else None
     return step if isinstance(step, int) else -1
