@@ -66,7 +66,8 @@ class Agent:
         self.watch = RunWatch(self.registry, self.inbox)
         self.keeper = self._lease_keeper()
         self.heartbeat = Heartbeat(self.registry, config.node_id, config.heartbeat, self.events,
-                                   on_evicted=self.inbox.changed)
+                                   on_evicted=self.inbox.changed,
+                                   cut_off_since=lambda: self.keeper.failed_at)
         self.driver = Driver(self.settings)
         self.notices = (NoticePoller(config.preemption_notice, self.inbox.preempted,
                                      every=config.preemption_poll.total_seconds())

@@ -64,12 +64,20 @@ class Beat:
 
 
 def after_probe(liveness: Liveness, *, now: float, last_answer: float,
-                config: HeartbeatConfig) -> Beat:
-    """Pure: evict a peer whose agent is gone, or that stayed silent for the whole window."""
+                config: HeartbeatConfig, cut_off_since: float | None = None) -> Beat:
+    """Pure: evict a peer whose agent is gone, or that stayed silent for the whole window.
+
+    ``cut_off_since``: when this node's own lease renewal last failed, if ever. A silence
+    that began before that failure may be this node's own isolation (a cut-off node saw
+    its healthy peer fall silent, and evicted it once its link came back: the job lost
+    the only copy of its state in the soak), so it starts a fresh window instead.
+    """
     if liveness is Liveness.ALIVE:
         return Beat(False, now)
     if liveness is Liveness.DEAD:
         return Beat(True, last_answer)
+    if cut_off_since is not None and cut_off_since >= last_answer:
+        return Beat(False, now)
     return Beat(now - last_answer >= config.window_s, last_answer)
 
 
@@ -100,12 +108,16 @@ class Heartbeat:
         config: interval and misses (an interval of 0 turns heartbeats off).
         events: where ``node.evicted`` goes.
         on_evicted: called after an eviction (wakes the agent's loop).
+        cut_off_since: when this node's own lease last failed to renew (see
+            :func:`after_probe`).
     """
 
     def __init__(self, registry: RunRegistry, me: str, config: HeartbeatConfig,
-                 events: EventSink, on_evicted: Callable[[], None]) -> None:
+                 events: EventSink, on_evicted: Callable[[], None],
+                 cut_off_since: Callable[[], float | None] = lambda: None) -> None:
         self.registry, self.me, self.config = registry, me, config
         self.events, self.on_evicted = events, on_evicted
+        self.cut_off_since = cut_off_since
         self._lock = threading.Lock()
         self._round: Round | None = None
         self._stop = threading.Event()
@@ -158,7 +170,7 @@ class Heartbeat:
                                 config=self.config)
         liveness = probe(watch.info.alive_addr, timeout=timeout)
         beat = after_probe(liveness, now=time.monotonic(), last_answer=watch.last_answer,
-                           config=self.config)
+                           config=self.config, cut_off_since=self.cut_off_since())
         watch.last_answer = beat.last_answer
         if beat.should_evict:
             watch.is_done = True

@@ -65,6 +65,9 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._last_renewed = 0.0
+        self.failed_at: float | None = None
+        """When a renewal last failed (monotonic), if one did: this node may have been cut
+        off then (its heartbeats do not blame a peer's silence on the peer)."""
 
     def start(self) -> None:
         """Register now (raising store errors to the caller), then keep alive."""
@@ -93,6 +96,7 @@ class LeaseKeeper:
             except (StoreError, CredentialsError) as exc:
                 # Refused credentials (a revoked role) fence like a lost connection.
                 logger.debug("lease renewal failed: %s", exc)
+                self.failed_at = time.monotonic()
                 silent = time.monotonic() - self._last_renewed
                 if not self.is_fenced and silent > self.ttl - self.margin:
                     self._fence(f"could not renew the lease for {self.ttl - self.margin:.1f} s")

@@ -71,3 +71,16 @@ def test_heartbeat_settings_come_from_the_environment() -> None:
 def test_a_bad_miss_count_is_one_clear_error(misses: str) -> None:
     with pytest.raises(ConfigError, match="ELASTIC_RT_HEARTBEAT_MISSES"):
         HeartbeatConfig.from_env({"ELASTIC_RT_HEARTBEAT_MISSES": misses})
+
+
+def test_a_watcher_cut_off_itself_during_the_silence_starts_a_fresh_window() -> None:
+    """Its own lease failed to renew after the peer's last answer: the silence may be its
+    own isolation, so the peer is not blamed (a link that came back evicted a healthy one)."""
+    own = after_probe(Liveness.UNKNOWN, now=14.0, last_answer=10.0, config=CONFIG,
+                      cut_off_since=12.0)
+    assert not own.should_evict and own.last_answer == 14.0
+    earlier = after_probe(Liveness.UNKNOWN, now=14.0, last_answer=10.0, config=CONFIG,
+                          cut_off_since=9.0)  # a failure before the silence says nothing
+    assert earlier.should_evict
+    assert after_probe(Liveness.DEAD, now=14.0, last_answer=10.0, config=CONFIG,
+                       cut_off_since=12.0).should_evict  # a refused port is the peer's
