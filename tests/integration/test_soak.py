@@ -26,9 +26,10 @@ CONFIG = SoakConfig(faults=40, interval=0.5, seed=20261206, min_nodes=1, pause_s
                     stall_timeout=30.0)
 MIN_FAULTS = 30
 """Faults that must have landed before training ran out of steps (40 are drawn)."""
-MIN_REFORMS = 8
+MIN_REFORMS = 6
 """Re-forms the longest-lived worker must have gone through for the bounds to mean
-anything: a worker that leaked a round's threads would be 70 threads up by then."""
+anything: a worker that leaked a round's threads would be 45 threads up by then (7 and
+more were seen in every run; the seed is fixed, the faults' timing is not)."""
 THREADS_BOUND = 45
 """Threads the longest-lived worker may hold above its first re-form's count. Measured
 (soaks of 30 faults): about +14 from its first re-form on (threads started once, at the
@@ -36,6 +37,9 @@ first recovery), then flat; each abandoned round still held adds about 13 (gloo'
 per group and a loop per device) until its collectives finish; two held at once are
 allowed. Before abandoned rounds were released, a worker gained 8-9 threads per re-form
 (29 -> 150 over 14 faults)."""
+END_BOUND = 30
+"""Threads the longest-lived worker may hold at its last re-form above its first: the
++14 started once, and one abandoned round still held (+13)."""
 ABANDONED_BOUND = 12
 """Process groups of abandoned rounds held at once: three rounds of four groups (two were
 seen; a worker that never released them held 16 after 8 re-forms)."""
@@ -62,4 +66,5 @@ def test_a_job_trains_through_a_short_soak_unchanged_and_without_growing(
     assert curve is not None and curve.reforms >= MIN_REFORMS, (curve, logs)
     threads, abandoned = curve.values("threads"), curve.values("abandoned_groups")
     assert max(threads) - threads[0] <= THREADS_BOUND, (threads, logs)
+    assert threads[-1] - threads[0] <= END_BOUND, (threads, logs)
     assert max(abandoned) <= ABANDONED_BOUND, (abandoned, logs)
