@@ -31,7 +31,7 @@ from agents.heartbeat import Heartbeat
 from agents.inbox import Inbox
 from agents.local_workers import LocalWorkers
 from agents.metrics import MetricsServer, NodeMetrics
-from agents.policy import AgentState, Observation
+from agents.policy import AgentState, Observation, Phase
 from agents.preemption import NoticePoller
 from agents.round_io import agree_on_store, propose_round, report_root_cause
 from agents.run_watch import RunWatch
@@ -42,6 +42,7 @@ from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import KVStore
 from elastic_rt.rendezvous.lease import LeaseKeeper
 from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous import rounds
 from elastic_rt.rendezvous.rounds import NodeInfo, Round, Snapshot
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,20 @@ class Agent:
                 and observation.snapshot.round is not None:
             self.metrics.saw_round(observation.snapshot.round)
         code = carry_out(self, self.driver, observation)
-        self.heartbeat.watch(self.state.running)  # a hung peer is evicted in under a second
+        self.heartbeat.watch(self._watched_round())  # a hung peer is evicted in under a second
         return code
+
+    def _watched_round(self) -> Round | None:
+        """The round whose next member this node watches: its workers', and while it
+        settles a failure of its own, the round it is still a member of (its successor
+        in the ring went unwatched then: a peer that stopped behind it stayed, in the
+        soak, until its lease ran out)."""
+        running = self.state.running
+        decided = self.driver.rendezvous
+        if running is None and self.state.phase is Phase.SETTLING \
+                and isinstance(decided, rounds.Participate):
+            return decided.round
+        return running
 
     def _observe(self, *, read: bool = True) -> Observation:
         """The run (when due; not with ``read=False``) and the local workers, now."""
