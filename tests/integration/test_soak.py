@@ -37,9 +37,15 @@ first recovery), then flat; each abandoned round still held adds about 13 (gloo'
 per group and a loop per device) until its collectives finish; two held at once are
 allowed. Before abandoned rounds were released, a worker gained 8-9 threads per re-form
 (29 -> 150 over 14 faults)."""
-END_BOUND = 30
-"""Threads the longest-lived worker may hold at its last re-form above its first: the
-+14 started once, and one abandoned round still held (+13)."""
+SETTLED_BOUND = 22
+"""Threads the longest-lived worker may hold at any re-form above its first, not counting
+those of abandoned rounds it still holds (``THREADS_PER_ABANDONED_GROUP`` each). Measured
+(the seed below, 10-13 re-forms): +14 to +19; what is above the +14 started once is the
+previous round's store server (``pt_tcpstore_uv``) kept until the next round's groups
+replace the ones that hold it. A leak of a round's threads (8-9 a re-form, as before
+abandoned rounds were released) passes this after two re-forms at most."""
+THREADS_PER_ABANDONED_GROUP = 3
+"""gloo's two worker threads and its loop thread for every group of an abandoned round."""
 ABANDONED_BOUND = 12
 """Process groups of abandoned rounds held at once: three rounds of four groups (two were
 seen; a worker that never released them held 16 after 8 re-forms)."""
@@ -66,5 +72,6 @@ def test_a_job_trains_through_a_short_soak_unchanged_and_without_growing(
     assert curve is not None and curve.reforms >= MIN_REFORMS, (curve, logs)
     threads, abandoned = curve.values("threads"), curve.values("abandoned_groups")
     assert max(threads) - threads[0] <= THREADS_BOUND, (threads, logs)
-    assert threads[-1] - threads[0] <= END_BOUND, (threads, logs)
+    settled = [t - THREADS_PER_ABANDONED_GROUP * a for t, a in zip(threads, abandoned)]
+    assert max(settled) - threads[0] <= SETTLED_BOUND, (threads, abandoned, logs)
     assert max(abandoned) <= ABANDONED_BOUND, (abandoned, logs)
