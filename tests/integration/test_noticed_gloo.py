@@ -110,9 +110,11 @@ def _abandon_each_kind(env: WorkerEnv) -> dict[str, object]:
     notice = round_notice()
     outcomes: dict[str, object] = {}
     for number, (kind, collective) in enumerate(KINDS.items()):
+        # the worker's order (joined_round.join): the new round is ours before its groups
+        # connect, or the last round's notice would abandon them as they connect
+        notice.train_in(loopback_round(number, "a", "b", "c"))
         groups = _form(env, number)
         assert isinstance(groups.world, NoticedGloo) and isinstance(groups.dp, NoticedGloo)
-        notice.train_in(loopback_round(number, "a", "b", "c"))
         if env.rank == HUNG:
             if kind == "FSDP backward":  # it takes part in the forward, then hangs
                 _fsdp_model(groups)(torch.ones(2, 16))
@@ -133,8 +135,8 @@ def _abandon_each_kind(env: WorkerEnv) -> dict[str, object]:
         abandon_groups(groups)
         env.store.set(f"abandoned-{number}-{env.rank}", "1")
     # the next round, the hung rank back in it, trains in the same processes
-    groups = _form(env, len(KINDS))
     notice.train_in(loopback_round(len(KINDS), "a", "b", "c"))
+    groups = _form(env, len(KINDS))
     total = torch.tensor([float(env.rank + 1)])
     dist.all_reduce(total, group=groups.world)
     destroy_groups(groups)
