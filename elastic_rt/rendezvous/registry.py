@@ -52,6 +52,7 @@ from elastic_rt.rendezvous.kv import (
     Put,
     PutIf,
     TxnRequest,
+    TxnOp,
     TxnResult,
 )
 from elastic_rt.rendezvous.rounds import NodeInfo, Propose, Round, Snapshot
@@ -66,6 +67,8 @@ COMPLETING = "round-completing"
 IN_PROCESS = "round-in-process"
 CLOSED = "round-closed"
 LEAVING = "leaving/"
+FAILURE_CLAIMS_KEPT = 16
+"""Rounds whose failure claims (``failure/<k>``) are kept behind the newest."""
 """Nodes that took a preemption notice (see :meth:`RunRegistry.announce_leaving`)."""
 FOLLOWED = ROUND
 """The prefix of the keys a follower's decisions read: everything but the registrations."""
@@ -134,6 +137,14 @@ def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
         alarm=(int(json.loads(alarm.value)["round"]), alarm.mod_revision) if alarm else None,
         nodes_known=nodes_known,
     )
+
+
+def _round_of(key: str, prefix: str) -> int | None:
+    """The round number a per-round key names (None for a key of another shape)."""
+    try:
+        return int(key.removeprefix(prefix))
+    except ValueError:
+        return None
 
 
 def store_endpoint(address: str) -> tuple[str, int]:
@@ -305,7 +316,23 @@ class RunRegistry(RunRequests):
 
     # the round's c10d store ----------------------------------------------------
     def publish_store(self, round_: Round, address: str) -> None:
-        self.kv.put(self.key(f"store/{round_.number}"), address.encode())
+        """Publish round ``round_``'s store address, and forget older rounds' keys.
+
+        Why here: the host of a new round is the one node sure that every older round is
+        replaced, so no one needs their store address any more (a worker still waiting
+        for one sees its round gone and stops waiting). Failure claims are kept for
+        ``FAILURE_CLAIMS_KEPT`` rounds: a node that reports an older round's failure late
+        would otherwise count it against the budget a second time. Without this, one key
+        a round stayed for the life of the job (a soak left 268 of them).
+        """
+        writes: list[TxnOp] = [Put(self.key(f"store/{round_.number}"), address.encode())]
+        for name, keep_from in (("store/", round_.number),
+                                ("failure/", round_.number - FAILURE_CLAIMS_KEPT)):
+            for item in self.kv.get_prefix(self.key(name)):
+                number = _round_of(item.key, self.key(name))
+                if number is not None and number < keep_from:
+                    writes.append(Delete(item.key))
+        self.kv.txn({}, writes)
 
     def store_address(self, round_number: int) -> str | None:
         item = self.kv.get(self.key(f"store/{round_number}"))

@@ -5,7 +5,8 @@ machinery (``elastic_rt.harness.soak``) with faults about a second apart, short 
 and a fault that cannot land within a second giving way to one that can, in about two
 minutes on two cores. The job must finish with the parameters of an uninterrupted
 1-node run (float64, 1e-5), every step done once, every fault survived, and its
-longest-lived worker must not grow with its re-forms. ``docs/soak.md`` lists what the
+longest-lived worker must not grow with its re-forms, nor the run's keys in etcd with its
+rounds. ``docs/soak.md`` lists what the
 soak found in the runtime; until those are fixed this test fails on some runs (a hang,
 reported with the workers' stacks, or an agent ended by an etcd member's restart).
 """
@@ -20,6 +21,7 @@ from elastic_rt.harness.chaos.config import TOLERANCE
 from elastic_rt.harness.soak.config import SoakConfig
 from elastic_rt.harness.soak.report import report
 from elastic_rt.harness.soak.run import run_soak
+from elastic_rt.rendezvous.registry import FAILURE_CLAIMS_KEPT
 
 CONFIG = SoakConfig(faults=40, interval=0.5, seed=20261206, min_nodes=1, pause_s=(0.3, 1.2),
                     step_time=0.05, steps=1100, hold_timeout=60.0, give_way_s=2.0,
@@ -75,3 +77,7 @@ def test_a_job_trains_through_a_short_soak_unchanged_and_without_growing(
     settled = [t - THREADS_PER_ABANDONED_GROUP * a for t, a in zip(threads, abandoned)]
     assert max(settled) - threads[0] <= SETTLED_BOUND, (threads, abandoned, logs)
     assert max(abandoned) <= ABANDONED_BOUND, (abandoned, logs)
+    assert result.etcd is not None
+    per_round = {k: n for k, n in result.etcd.keys.items() if "<k>" in k}
+    assert per_round.get("store/<k>", 0) <= 1, (per_round, logs)  # one a round before
+    assert per_round.get("failure/<k>", 0) <= FAILURE_CLAIMS_KEPT + 1, (per_round, logs)

@@ -24,7 +24,7 @@ from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import wait_until
 from elastic_rt.rendezvous import rounds
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
-from elastic_rt.rendezvous.registry import RunRegistry
+from elastic_rt.rendezvous.registry import FAILURE_CLAIMS_KEPT, RunRegistry
 from elastic_rt.rendezvous.rounds import Limits, NodeInfo, Propose, Round, Snapshot
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(30)]
@@ -188,3 +188,19 @@ def test_a_follower_takes_over_when_the_leaders_lease_ends(nodes) -> None:
     proposal = leader.decide()
     assert isinstance(proposal, Propose) and proposal.expected_token == first.token
     assert proposal.round.members == tuple(m for m in first.members if m != "a")
+
+
+def test_a_new_rounds_store_replaces_older_rounds_keys(etcd_kv) -> None:
+    """One key a round stayed for the life of the job: a soak left 268 ``store/<k>``."""
+    registry = RunRegistry(etcd_kv, f"keys-{uuid.uuid4().hex[:8]}")
+    kept = FAILURE_CLAIMS_KEPT
+    for number in range(-1, kept + 3):  # a standby worker's claim is for round -1
+        assert registry.claim_failure(number, "worker exited 1")
+        registry.publish_store(Round(number, ("a",), (1,), ("h",)), f"h:{1000 + number}")
+    newest = kept + 2
+    assert registry.store_address(newest) == f"h:{1000 + newest}"
+    assert registry.store_address(newest - 1) is None
+    claims = etcd_kv.get_prefix(registry.key("failure/"))
+    assert sorted(int(c.key.rsplit("/", 1)[1]) for c in claims) == list(range(newest - kept,
+                                                                              newest + 1))
+    assert not registry.claim_failure(newest - kept, "reported late")  # still counted once
