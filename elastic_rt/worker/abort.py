@@ -69,6 +69,14 @@ def drops_a_member(ours: Round, newer: Round) -> bool:
     return not (kept and newer.world_size > ours.world_size)
 
 
+def loses_a_rank(ours: Round, newer: Round) -> bool:
+    """Whether ``newer`` lacks a member of ``ours`` or gives one fewer ranks: a rank of
+    ours was lost. Pure. Unlike :func:`drops_a_member`, a restart round with the same
+    ranks is no loss (something failed, but nobody is gone)."""
+    theirs = dict(zip(newer.members, newer.nprocs))
+    return any(theirs.get(m, 0) < n for m, n in zip(ours.members, ours.nprocs))
+
+
 class RoundNotice:
     """Whether the round our groups belong to is over; waits that end on either.
 

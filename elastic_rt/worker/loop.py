@@ -79,7 +79,7 @@ from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.worker.abort import round_notice
+from elastic_rt.worker.abort import loses_a_rank, round_notice
 from elastic_rt.worker.allocator import (
     REPLICATED_TRIM_THRESHOLD_BYTES,
     SHARDED_TRIM_THRESHOLD_BYTES,
@@ -467,6 +467,12 @@ class _ElasticLoop:
     def wait_for_round(self, round_: Round) -> Round:
         began = time.monotonic()
         new_round = self.membership.wait_for_round(round_.number, self.options.reform_timeout)
+        if self.progress.failed_attempts and loses_a_rank(round_, new_round):
+            # The step failed because a peer was lost, not because of the step: it does not
+            # count against max_failed_steps (a soak lost its last holder's state when three
+            # nodes died one after another during one step: "step 1141 failed 3 times").
+            # The job's restart budget still counts the workers lost.
+            self.progress.failed_attempts -= 1
         self._phase("round.formed", began, round=new_round.number, world_size=new_round.world_size)
         return new_round
 

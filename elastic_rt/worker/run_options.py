@@ -34,7 +34,8 @@ class RunOptions:
     micro_batch_size: int | None = None
     limits: ModelLimits = field(default_factory=ModelLimits)
     max_failed_steps: int = 3
-    """The same step failing this often is raised, not retried."""
+    """The same step failing this often is raised, not retried; a try that failed because
+    a rank was lost (the next round lacks it) does not count."""
     reform_timeout: timedelta = DEFAULT_REFORM_TIMEOUT
     """The most to wait for a round that includes this node."""
     autocast_dtype: torch.dtype | None = None

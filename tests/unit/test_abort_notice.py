@@ -10,7 +10,7 @@ from torch.futures import Future
 
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.errors import RoundAbandoned
-from elastic_rt.worker.abort import RoundNotice, drops_a_member
+from elastic_rt.worker.abort import RoundNotice, drops_a_member, loses_a_rank
 
 
 def _round(number: int, *members: str, nprocs: tuple[int, ...] | None = None) -> Round:
@@ -26,6 +26,17 @@ def _round(number: int, *members: str, nprocs: tuple[int, ...] | None = None) ->
 ])
 def test_only_a_round_that_drops_a_rank_of_ours_is_a_notice(newer: Round, drops: bool) -> None:
     assert drops_a_member(_round(1, "a", "b", "c"), newer) is drops
+
+
+@pytest.mark.parametrize("newer, loses", [
+    (_round(2, "a", "b"), True),                        # c lost
+    (_round(2, "a", "b", "c"), False),                  # a restart round: nobody gone
+    (_round(2, "a", "b", "c", nprocs=(1, 1, 0)), True),  # c's worker is being replaced
+    (_round(2, "a", "b", "c", "d"), False),             # d admitted
+])
+def test_a_failed_step_is_forgiven_only_when_a_rank_was_lost(newer: Round, loses: bool) -> None:
+    """``max_failed_steps`` counts a step's failed tries, except those a lost rank explains."""
+    assert loses_a_rank(_round(1, "a", "b", "c"), newer) is loses
 
 
 def test_a_member_given_back_its_ranks_is_no_notice() -> None:
