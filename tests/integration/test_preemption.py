@@ -16,7 +16,6 @@ import http.server
 import os
 import signal
 import subprocess
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +26,7 @@ from elastic_rt.events import Event
 from elastic_rt.harness import REPO, child_env, wait_until
 from scripts.examples import elastic_train, fsdp_train
 from tests.fixtures.fsdp_reference import reference_params, train_alone
+from tests.fixtures.local_http import serving
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, exit_code, launch_args
 
@@ -58,16 +58,8 @@ class _Metadata(http.server.BaseHTTPRequestHandler):
 def metadata() -> Iterator[tuple[str, set[str]]]:
     """The endpoint's base URL and the set of preempted nodes; stopped in teardown."""
     preempted: set[str] = set()
-    handler = type("Handler", (_Metadata,), {"preempted": preempted})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", preempted
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with serving(type("Handler", (_Metadata,), {"preempted": preempted})) as url:
+        yield url, preempted
 
 
 def _step(log: list[Event]) -> int:

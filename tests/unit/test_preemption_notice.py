@@ -20,6 +20,7 @@ from agents.preemption import (
     notice_in_answer,
     parse_source,
 )
+from tests.fixtures.local_http import serving
 from elastic_rt.errors import ConfigError, EndpointUnreachableError, UnknownURLSchemeError
 from elastic_rt.etcd_server import free_port
 
@@ -108,15 +109,8 @@ class _Metadata(http.server.BaseHTTPRequestHandler):
 @pytest.fixture()
 def metadata() -> Iterator[tuple[str, type[_Metadata]]]:
     handler = type("Handler", (_Metadata,), {"answer": None})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/preempted", handler
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with serving(handler) as url:
+        yield f"{url}/preempted", handler
 
 
 def test_a_url_is_a_notice_once_it_says_so(metadata: tuple[str, type[_Metadata]]) -> None:
