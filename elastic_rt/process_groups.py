@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import cast
@@ -49,6 +50,8 @@ from elastic_rt.accelerator import GLOO, backend_from_env, uses_nccl
 from elastic_rt.layout import AXES, Layout
 
 logger = logging.getLogger(__name__)
+
+_SETTLE_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -268,8 +271,14 @@ def abandon_groups(groups: Groups | None) -> None:
                 what)
 
 
-def release_abandoned() -> int:
+def release_abandoned(settle_s: float = 0.0) -> int:
     """Let go of every abandoned round whose collectives have all finished; how many groups.
+
+    ``settle_s``: wait up to that long for them to finish. A survivor's old collective
+    usually fails moments after the new round forms (its peer released its own copy of the
+    round, which closes their sockets), and a caller that must otherwise allocate afresh
+    (400 MB of gradient buckets at 100M parameters) gains by waiting that moment; a round
+    blocked on a hung peer does not finish, and costs the caller the whole wait.
 
     Why: each abandoned round holds gloo's threads (two per group, and a loop thread per
     device), its sockets and its store client; kept for the life of the process, a worker
@@ -281,10 +290,14 @@ def release_abandoned() -> int:
     they are idle: a round with another kind (a plain gloo side group, NCCL's) is kept.
     Called by :func:`init_groups`, on the thread that trains, before the next round's groups.
     """
+    deadline = time.monotonic() + settle_s
+    while _abandoned and time.monotonic() < deadline and not all(
+            _is_idle(groups) for groups in _abandoned):
+        time.sleep(_SETTLE_POLL_S)
     kept: list[list[dist.ProcessGroup]] = []
     released = 0
     for groups in _abandoned:
-        if all(isinstance(g, noticed_gloo.NoticedGloo) and g.is_idle() for g in groups):
+        if _is_idle(groups):
             for group in groups:
                 ctypes.pythonapi.Py_DecRef(ctypes.py_object(group))
             released += len(groups)
@@ -295,6 +308,11 @@ def release_abandoned() -> int:
         logger.info("released %d process groups of abandoned rounds (%d still held)",
                     released, abandoned_group_count())
     return released
+
+
+def _is_idle(groups: list[dist.ProcessGroup]) -> bool:
+    """Whether no collective of these groups can still run (only NoticedGloo can say so)."""
+    return all(isinstance(g, noticed_gloo.NoticedGloo) and g.is_idle() for g in groups)
 
 
 def abandoned_group_count() -> int:

@@ -94,7 +94,9 @@ shown too, and recovery and the longest pause beyond it: on a cluster each node 
 its own cores and the step does not change with the world size, so for a join the step
 after is the fair baseline. In-process trials also show the most any survivor's RSS rose
 above its start during its restore (``rss_growth_bytes``: the kernel's peak RSS, reset as
-the restore begins).
+the restore begins). Join trials also show the newcomer's stream: the bytes it received over
+the time from the end of its restore to its state landing (the step it sat out, which the
+stream overlaps, done), against one TCP connection over loopback measured at the start.
 
 Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
       python scripts/bench/recovery.py --cases inproc-kill inproc-join --state-mb 1200
@@ -108,8 +110,10 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -212,6 +216,9 @@ class Trial:
     """In-process: from the survivors' last step in the old round to the end of their
     slowest restore in the new one: the pause without the step that follows it (which on
     these shared cores varies more than the re-form itself)."""
+    stream_rate: float | None = None
+    """Join: the bytes the newcomer received over the time from the end of its restore to
+    its state landing (the step it sat out done): a floor of the stream's speed."""
 
 
 @dataclass(frozen=True)
@@ -378,7 +385,17 @@ class Job:
                      reform_ms=self._reform_ms(first.round), step_s=_step_time(before),
                      bytes_moved=self._bytes_moved(first.round), step_after_s=_step_time(after),
                      rss_growth=self._rss_growth(first.round),
-                     ready_s=self._ready_s(first.round, before))
+                     ready_s=self._ready_s(first.round, before),
+                     stream_rate=self._stream_rate(first.round))
+
+    def _stream_rate(self, round_: int | None) -> float | None:
+        if not self.case.in_process or self.case.fault != "join":
+            return None
+        landed = [e.metadata for e in read_events(str(self.events))
+                  if e.name == "state.landed" and e.round == round_ and e.node == VICTIM]
+        rates = [m["bytes_moved"] / (m["duration_ms"] / 1000) for m in landed
+                 if isinstance(m.get("bytes_moved"), int) and m.get("duration_ms")]
+        return min(rates, default=None)
 
     def _ready_s(self, round_: int | None, before: list[Row]) -> float | None:
         if not self.case.in_process or self.case.fault == "join":
@@ -457,8 +474,33 @@ def _step_time(rows: list[Row]) -> float | None:
     return median([b - a for a, b in zip(times, times[1:])])
 
 
-def _mb(nbytes: int | None) -> float | None:
+def _mb(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 1e6
+
+
+def loopback_rate(nbytes: int = 1 << 30, chunk: int = 16 << 20) -> float:
+    """Bytes a second one TCP connection on 127.0.0.1 carries (a thread each side, the
+    kernel copying between them, as a stream between two ranks' processes does)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = threading.Thread(target=_send_zeros,
+                                  args=(server.getsockname(), nbytes, chunk), daemon=True)
+        began = time.perf_counter()
+        sender.start()
+        conn, _ = server.accept()
+        with conn:
+            buffer, left = memoryview(bytearray(chunk)), nbytes
+            while left:
+                left -= conn.recv_into(buffer, min(chunk, left))
+        elapsed = time.perf_counter() - began
+        sender.join()
+    return nbytes / elapsed
+
+
+def _send_zeros(address: tuple[str, int], nbytes: int, chunk: int) -> None:
+    block = bytes(chunk)
+    with socket.create_connection(address) as conn:
+        for start in range(0, nbytes, chunk):
+            conn.sendall(block[:min(chunk, nbytes - start)])
 
 
 def _beyond(value: float | None, step: float | None) -> str:
@@ -480,6 +522,8 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
         finally:
             procs.close()
         trials.append(trial)
+        stream = (f", stream {fmt(_mb(trial.stream_rate), '.0f')} MB/s"
+                  if trial.stream_rate is not None else "")
         print(f"  {case.name} #{i + 1}: recovery {fmt(trial.recovery_s)} s, steps lost "
               f"{fmt(trial.steps_lost, 'd')}, longest pause {fmt(trial.pause_s)} s, "
               f"groups.reformed {fmt(trial.reform_ms, 'd')} ms, normal step "
@@ -487,7 +531,7 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
               f"beyond it; step after it {fmt(trial.step_after_s)} s), bytes moved "
               f"{fmt(trial.bytes_moved, 'd')}, restore's peak extra RSS "
               f"{fmt(_mb(trial.rss_growth), '.0f')} MB, last step to restored "
-              f"{fmt(trial.ready_s)} s "
+              f"{fmt(trial.ready_s)} s{stream} "
               f"(last {trial.last_before}, resumed from "
               f"{trial.resumed_from}), victim rank {trial.victim_rank}, trial took "
               f"{time.monotonic() - began:.0f} s{'  ERROR: ' + trial.error if trial.error else ''}"
@@ -495,7 +539,8 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
     return trials
 
 
-def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
+def report(results: dict[str, list[Trial]], chosen: dict[str, Case],
+           loopback: float | None) -> str:
     med = {n: median([t.recovery_s for t in ts if t.recovery_s is not None])
            for n, ts in results.items()}
     default, fast = med.get("torchrun-default"), med.get("torchrun-fast")
@@ -515,6 +560,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
         after = median([t.step_after_s for t in ok if t.step_after_s is not None])
         grown = max((t.rss_growth for t in ok if t.rss_growth is not None), default=None)
         ready = [t.ready_s for t in ok if t.ready_s is not None]
+        stream = median([t.stream_rate for t in ok if t.stream_rate is not None])
         rows.append([
             name, f"{len(ok)}/{len(trials)}", fmt(med[name]), fmt(p90(times)),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
@@ -523,6 +569,8 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
             fmt(step), _beyond(med[name], step), _beyond(median(pauses), step),
             fmt(after), _beyond(med[name], after), _beyond(median(pauses), after),
             fmt(moved, ".0f"), fmt(_mb(grown), ".0f"), f"{fmt(median(ready))} / {fmt(p90(ready))}",
+            fmt(_mb(stream), ".0f"),
+            "-" if stream is None or not loopback else f"{stream / loopback:.2f}",
             ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
         ])  # fmt: skip
     return table(["case", "ok", "recovery s (median)", "p90", "min-max", "steps lost (median)",
@@ -532,6 +580,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case]) -> str:
                   "bytes moved (median)",
                   "restore's peak extra RSS MB (max)",
                   "last step to restored s (median / p90)",
+                  "join: newcomer's stream MB/s (median)", "stream / loopback TCP",
                   "torchrun-default / this",
                   "torchrun-fast / this", "target"], rows)
 
@@ -586,6 +635,10 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.1f}; logs in {root}", flush=True)
     etcd = None
     results: dict[str, list[Trial]] = {}
+    loopback = None
+    if any(known[n].fault == "join" and known[n].in_process for n in names):
+        loopback = loopback_rate()
+        print(f"loopback TCP, one connection: {loopback / 1e6:.0f} MB/s", flush=True)
     try:
         with interruptible():
             if any(known[n].launcher == "elastic" or known[n].rdzv_backend == "etcd-v3"
@@ -605,7 +658,7 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
     if results:
         print()
-        print(report(results, {n: known[n] for n in results}))
+        print(report(results, {n: known[n] for n in results}, loopback))
         print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     measured = all(t.recovery_s is not None for ts in results.values() for t in ts)
     return 0 if results and measured else 1
