@@ -4,10 +4,12 @@ faults the job survived, and a worker's footprint curve, on made-up fleets and l
 from __future__ import annotations
 
 import random
+import time
 
 from elastic_rt.events import Event
 from elastic_rt.harness.soak.audit import (Injection, Verdict, longest_stall, loss_gap,
                                            unprovoked, verdicts)
+from elastic_rt.harness.soak.fleet import Fleet
 from elastic_rt.harness.soak.footprint import curves, longest_lived, slope
 from elastic_rt.harness.soak.plan import FleetView, Hold, Inject, place
 
@@ -37,6 +39,34 @@ def test_the_last_member_holding_the_state_is_never_hit() -> None:
         assert isinstance(placed, Inject) and placed.victim != "b"
     assert isinstance(place("worker-kill", _view("ab", holders="a"), rng), Inject)
     assert isinstance(place("worker-kill", _view("a", holders="a", minimum=1), rng), Hold)
+
+
+class _Log:
+    """The job's event log as the fleet reads it (``Job.events``)."""
+
+    def __init__(self) -> None:
+        self.lines: list[Event] = []
+
+    def events(self) -> list[Event]:
+        return self.lines
+
+
+def test_a_node_the_soak_hit_holds_no_state_before_its_agent_says_so() -> None:
+    """Seed 11 lost the state: n103's worker was killed, its agent sat 4 s in an etcd call
+    during a member restart before it said so, and the soak meanwhile killed the other
+    holder's worker, taking n103 for a holder still."""
+    log = _Log()
+    fleet = Fleet(log, minimum=2, etcd_members=3, use_netns=False)  # type: ignore[arg-type]
+    now = int(time.time() * 1000)
+    log.lines += [_round(now - 50, 7, "a", "b"), _done(now - 40, "a", 7, 5),
+                  _done(now - 40, "b", 7, 5)]
+    assert fleet.view().holders == {"a", "b"}
+    fleet.hit("b")
+    log.lines.append(_done(now - 30, "b", 7, 6))  # its old worker's last step, read late
+    assert fleet.view().holders == {"a"}
+    assert place("worker-kill", fleet.view(), random.Random(0)) == Inject("worker-kill", "b")
+    log.lines.append(_done(int(time.time() * 1000) + 1, "b", 8, 7))  # its new worker's step
+    assert fleet.view().holders == {"a", "b"}
 
 
 def test_a_cut_lands_only_on_a_member_inside_the_namespace() -> None:

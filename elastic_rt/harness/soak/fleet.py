@@ -37,6 +37,8 @@ class Fleet:
         self.members: tuple[str, ...] = ()
         self.holders: set[str] = set()
         """Nodes whose current worker has completed a step: it holds the job's state."""
+        self.hit_ms: dict[str, int] = {}
+        """When the soak's own fault last took a node's worker (wall clock, ms)."""
         self.finished = False
         self.failed = ""
         """Why the job stopped, if an agent exited with an error."""
@@ -91,13 +93,23 @@ class Fleet:
         return FleetView(members, frozenset(self.holders & set(members)),
                          frozenset(self.in_netns), self.minimum, self.etcd_members)
 
+    def hit(self, node: str) -> None:
+        """A fault just took ``node``'s worker (or cut it off): it holds no state the job can
+        restore from until a later worker of it completes a step. Its agent may take seconds
+        to say so (it can be blocked in an etcd call while a member restarts), and a second
+        worker fault aimed meanwhile at the one other holder would lose the state."""
+        self.refresh()
+        self.hit_ms[node] = int(time.time() * 1000)
+        self.holders.discard(node)
+
     def refresh(self) -> None:
         """Digest the events written since the last call."""
         events = self.job.events()
         for event in events[self._read:]:
             node = event.node or ""
             if event.name == "step.completed" and event.step is not None:
-                self.holders.add(node)
+                if event.timestamp_ms > self.hit_ms.get(node, -1):
+                    self.holders.add(node)
                 if event.rank == 0 and event.step > self.step:
                     self.step, self.progressed_at = event.step, time.monotonic()
             elif event.name in ("worker.started", "worker.restarted", "agent.fenced"):

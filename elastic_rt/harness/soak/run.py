@@ -162,6 +162,8 @@ def inject_all(target: Target, kinds: tuple[str, ...], trial: Trial) -> list[Inj
         if fleet.finished or fleet.step >= last_step:
             trial.note(f"training ends at step {cfg.sized_steps}: stopped after {index} faults")
             break
+        if placed.kind != "etcd-restart":
+            fleet.hit(placed.victim)
         landed = FAULTS[placed.kind](target, placed.victim)
         done += [dataclasses.replace(landed[0], held_s=held_s), *landed[1:]]
         logger.info("fault %d/%d: %s %s at step %d (round %d)", index + 1, cfg.faults,
