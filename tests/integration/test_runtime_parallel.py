@@ -1,0 +1,113 @@
+"""The runtime-parallel family in real gloo processes: pp, tp and their hybrids with dp train
+the same parameters as one process, and a new round re-cuts the state by name.
+
+Each case builds the round's groups from a layout, restores (a fresh start, or the previous
+round's state moved by name to the new cut) and trains a few steps of the described model
+(``elastic_rt.harness.described_model``, float64); the test compares every parameter with
+:func:`reference_params`, the one-process run over the same global batches.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import default_collate
+
+from elastic_rt.harness import described_model as dm
+from tests.fixtures.torchdist import WorkerEnv, run_workers
+
+pytestmark = pytest.mark.slow
+
+SAMPLES, GLOBAL_BATCH = 96, 8
+TIMEOUT = timedelta(seconds=30)
+
+
+def _ctx(env: WorkerEnv, layout: Any, number: int) -> Any:
+    from elastic_rt.process_groups import init_groups
+    from elastic_rt.worker.context import Context
+
+    groups = init_groups(env.store, rank=env.rank, world_size=layout.world_size, layout=layout,
+                         prefix=f"/round-{number}/", timeout=TIMEOUT)
+    return Context(rank=env.rank, world_size=layout.world_size, local_rank=env.rank,
+                   node_id="n", round=number, token=number, layout=layout, groups=groups)
+
+
+def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
+            options: dict[str, Any], micro_batch_size: int | None) -> dict[str, Any]:
+    """Train each ``(layout, steps)`` in turn; the parameters at the end, whole, by name."""
+    from elastic_rt.layout import Layout
+    from elastic_rt.process_groups import destroy_groups
+    from elastic_rt.sampler import ElasticSampler
+    from elastic_rt.worker.trainers import Progress, Restoring
+    from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
+    from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
+
+    data = dm.Sequences(SAMPLES)
+    sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0,
+                             micro_batch_size=micro_batch_size)
+    progress = Progress()
+    trainer = RuntimeParallelTrainer(lambda layout: dm.describe(), ModelParallel(**options))
+    sources = []
+    for number, (spec, steps) in enumerate(rounds):
+        layout = Layout.from_dict(spec)
+        if env.rank >= layout.world_size:
+            return {"left": True}
+        ctx = _ctx(env, layout, number)
+        restored = trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=sampler,
+                                             progress=progress))
+        sources.append(restored.source)
+        sampler.set_world(ctx.dp_rank, ctx.dp_size)
+        for _ in range(steps):
+            micro = [(default_collate([data[i] for i in batch]), len(batch))
+                     for batch in sampler.micro_batches()]
+            trainer.train(micro, global_len=GLOBAL_BATCH, ctx=ctx, step=progress.step + 1)
+            sampler.advance()
+            progress.step += 1
+        model = trainer.result().model
+        params = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+                  for name, p in model.named_parameters()}
+        trainer.release()
+        destroy_groups(ctx.groups)
+    return {"params": params, "sources": sources, "step": progress.step}
+
+
+def _check(results: list[dict[str, Any]], steps: int) -> None:
+    want = dm.reference_params(steps, samples=SAMPLES, global_batch=GLOBAL_BATCH)
+    got: dict[str, torch.Tensor] = {}
+    for result in results:
+        if "params" in result:
+            assert result["step"] == steps
+            got.update(result["params"])
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("layout, options, micro", [
+    ({"dp": 1, "pp": 2}, {"schedule": "GPipe"}, None),
+    ({"dp": 1, "tp": 2}, {}, 2),
+    ({"dp": 1, "pp": 2, "tp": 2}, {"schedule": "1F1B"}, None),
+    ({"dp": 2, "pp": 2}, {"schedule": "1F1B"}, 2),
+    ({"dp": 1, "pp": 2}, {"schedule": "Interleaved1F1B", "stages_per_rank": 2}, None),
+], ids=["pp2-gpipe", "tp2", "pp2xtp2", "pp2xdp2", "pp2-interleaved"])
+def test_a_layout_trains_the_parameters_of_one_process(layout: dict[str, int],
+                                                       options: dict[str, Any],
+                                                       micro: int | None) -> None:
+    world = layout["dp"] * layout.get("pp", 1) * layout.get("tp", 1)
+    results = run_workers(_rounds, world, args=([(layout, 3)], options, micro), timeout_s=60)
+    _check(results, 3)
+    assert {s for r in results for s in r["sources"]} == {"init"}
+
+
+def test_a_new_cut_takes_the_state_by_name_from_the_survivors() -> None:
+    # The last round loses rank 3, a replica of stage 1: every part still has a holder.
+    rounds = [({"dp": 2, "pp": 2}, 2), ({"dp": 1, "pp": 2, "tp": 2}, 2), ({"dp": 2, "pp": 2}, 1),
+              ({"dp": 1, "pp": 3}, 2)]
+    results = run_workers(_rounds, 4, args=(rounds, {}, None), timeout_s=60)
+    _check(results, 7)
+    assert results[0]["sources"] == ["init", "survivors", "survivors", "survivors"]
+    assert results[3] == {"left": True}
