@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from elastic_rt.errors import ConfigError, ElasticError
 from elastic_rt.harness import described_model as dm
+from elastic_rt.layout import ModelLimits
 from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder
 from elastic_rt.worker.trainers.runtime_parallel.by_name import Entry, pieces_of
 from elastic_rt.worker.trainers.runtime_parallel.cut import cut_stages, stages_of_rank
@@ -147,3 +148,29 @@ def test_a_cut_tensor_needs_every_piece_and_a_whole_one_its_lowest_holder() -> N
         pieces_of("w", {0: {"w": half}})
     with pytest.raises(ElasticError, match="no source"):
         pieces_of("v", {0: {"w": half}})
+
+
+def test_model_parallel_picks_the_runtime_parallel_family() -> None:
+    from elastic_rt.worker.trainers import StepOptions, choose
+    from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
+
+    trainer = choose(build=lambda layout: None, step=None, limits=ModelLimits(),
+                     options=StepOptions(), peer_copy_every=1, model_parallel=ModelParallel())
+    assert isinstance(trainer, RuntimeParallelTrainer)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"is_step_owned": False}, "step is set with model_parallel"),
+    ({"clip_grad_norm": 1.0}, "with model_parallel"),
+    ({"limits": ModelLimits(max_shard=2)}, "with model_parallel"),
+])
+def test_run_options_refuse_what_the_family_cannot_train(kwargs: dict[str, Any],
+                                                         words: str) -> None:
+    from elastic_rt.worker.run_options import RunOptions
+
+    options = {"global_batch_size": 8, "max_steps": 1, "is_step_owned": True,
+               "is_runtime_parallel": True, **kwargs}
+    with pytest.raises(ConfigError, match=words):
+        RunOptions(**options)
+    RunOptions(global_batch_size=8, max_steps=1, is_step_owned=True, is_runtime_parallel=True,
+               micro_batch_size=2)  # micro-batches are the pipeline's

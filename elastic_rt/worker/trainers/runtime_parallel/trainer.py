@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_
 from elastic_rt.errors import ConfigError
 from elastic_rt.layout import Layout
 from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.batches import to_device
 from elastic_rt.worker.context import Context
 from elastic_rt.worker.failures import user_code
 from elastic_rt.worker.train_state import TrainState
@@ -172,6 +173,8 @@ class RuntimeParallelTrainer:
         self._losses, self._global_len = [], global_len
         self.state.optimizer.zero_grad(set_to_none=True)
         samples = sum(size for _, size in micro_batches)
+        device = device_of(self.modules)
+        micro_batches = [(to_device(batch, device), size) for batch, size in micro_batches]
         with user_code(rank=ctx.rank, step=step):
             if samples and self.pipeline is not None:
                 inputs, target = _joined(micro_batches)
