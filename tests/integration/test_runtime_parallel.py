@@ -114,11 +114,11 @@ def test_a_layout_trains_the_parameters_of_one_process(layout: dict[str, int],
 
 def test_a_new_cut_takes_the_state_by_name_from_the_survivors() -> None:
     # The last round loses rank 3, a replica of stage 1: every part still has a holder.
-    rounds = [({"dp": 2, "pp": 2}, 2), ({"dp": 1, "pp": 2, "tp": 2}, 2), ({"dp": 2, "pp": 2}, 1),
-              ({"dp": 1, "pp": 3}, 2)]
+    rounds = [({"dp": 2, "pp": 2}, 2), ({"dp": 1, "pp": 2, "tp": 2}, 2), ({"dp": 1, "tp": 4}, 1),
+              ({"dp": 2, "pp": 2}, 1), ({"dp": 1, "pp": 3}, 2)]
     results = run_workers(_rounds, 4, args=(rounds, {}, None), timeout_s=60)
-    _check(results, 7)
-    assert results[0]["sources"] == ["init", "survivors", "survivors", "survivors"]
+    _check(results, 8)
+    assert results[0]["sources"] == ["init"] + ["survivors"] * 4
     assert results[3] == {"left": True}
 
 

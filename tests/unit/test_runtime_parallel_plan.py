@@ -14,7 +14,12 @@ from elastic_rt.errors import ConfigError, ElasticError
 from elastic_rt.harness import described_model as dm
 from elastic_rt.layout import ModelLimits
 from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder
-from elastic_rt.worker.trainers.runtime_parallel.by_name import Entry, pieces_of
+from elastic_rt.worker.trainers.runtime_parallel.by_name import (
+    Entry,
+    overlap,
+    pieces_of,
+    plan_moves,
+)
 from elastic_rt.worker.trainers.runtime_parallel.cut import cut_stages, stages_of_rank
 from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
 from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
@@ -140,14 +145,29 @@ def test_sources_are_one_clean_holder_per_part_of_one_cut_at_the_newest_step() -
 
 
 def test_a_cut_tensor_needs_every_piece_and_a_whole_one_its_lowest_holder() -> None:
-    whole, half = Entry((4, 2), torch.float32), Entry((2, 2), torch.float32, 0, 0, 2)
-    other = Entry((2, 2), torch.float32, 0, 1, 2)
+    whole = Entry((4, 2), torch.float32)
+    half, other = (Entry((4, 2), torch.float32, 0, i, 2) for i in range(2))
     assert pieces_of("w", {3: {"w": whole}, 1: {"w": whole}}) == [(1, whole)]
     assert pieces_of("w", {2: {"w": other}, 0: {"w": half}}) == [(0, half), (2, other)]
     with pytest.raises(ElasticError, match="pieces"):
         pieces_of("w", {0: {"w": half}})
     with pytest.raises(ElasticError, match="no source"):
         pieces_of("v", {0: {"w": half}})
+
+
+def test_each_receiver_gets_exactly_the_part_of_each_piece_it_holds() -> None:
+    rows = [Entry((5, 4), torch.float32, 0, i, 2) for i in range(2)]  # rows 0-2, 3-4
+    cols = [Entry((5, 4), torch.float32, 1, i, 2) for i in range(2)]  # columns 0-1, 2-3
+    whole = Entry((5, 4), torch.float32)
+    sources = {0: {"w": rows[0], "lr": 0.1}, 1: {"w": rows[1]}}
+    plan = plan_moves(sources, [{"w": cols[0]}, {"w": cols[1]}, {"w": whole}, {"lr": 0.1}])
+    assert plan == {
+        (0, 0): [("w", rows[0], ((0, 3), (0, 2)))], (0, 1): [("w", rows[1], ((3, 5), (0, 2)))],
+        (1, 0): [("w", rows[0], ((0, 3), (2, 4)))], (1, 1): [("w", rows[1], ((3, 5), (2, 4)))],
+        (2, 0): [("w", rows[0], ((0, 3), (0, 4)))], (2, 1): [("w", rows[1], ((3, 5), (0, 4)))],
+    }
+    assert overlap(rows[0].box(), Entry((5, 4), torch.float32, 0, 1, 2).box()) is None
+    assert overlap((), ()) == ()  # a scalar (Adam's step) always moves whole
 
 
 def test_model_parallel_picks_the_runtime_parallel_family() -> None:

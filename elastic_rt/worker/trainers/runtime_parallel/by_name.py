@@ -1,23 +1,24 @@
-"""Move state by name: every rank gets each tensor it holds in the new cut from the ranks that
-held it in the old one, whatever the two cuts are (pp3 -> pp2 x tp2, tp2 -> dp2...).
+"""Move state by name: every rank gets, of each tensor it holds in the new cut, exactly the
+part it holds, from the ranks that held it in the old cut, whatever the two cuts are
+(pp3 -> pp2 x tp2, tp2 -> dp2...).
 
 Rule: the state is keyed by the unsplit model's names (``model/layers.2.up.weight``,
-``optimizer/state.layers.2.up.weight.exp_avg``), and a source says how it holds each key
-(:class:`Entry`): whole, or piece ``index`` of ``count`` cut along ``dim`` (a tensor-parallel
-DTensor shard). For every key a rank needs, the pieces of it come from their sources in one
-all-to-all of the world group, and the rank keeps its own part of the whole: its
-tensor-parallel shard, or all of it.
+``optimizer/state.layers.2.up.weight.exp_avg``), and every rank says how it holds each key
+(:class:`Entry`): whole, or piece ``index`` of ``count`` cut along ``dim`` as ``torch.chunk``
+cuts it (a tensor-parallel DTensor shard). Each piece is a box of the whole tensor; a
+receiver gets, from each source piece, the intersection of that piece's box and its own,
+in one all-to-all of the world group, written straight into its tensors. No rank receives
+a byte it does not hold afterwards, so no rank ever holds the whole model unless it holds
+all of it in the new cut. Non-tensor values (hyperparameters) travel with the small
+description of what each rank holds.
 
-Note:
-    A receiver gets every piece of the keys it holds, so a tensor-parallel rank receives the
-    whole tensor of each parameter it holds a shard of (``tp`` times its share) and cuts its
-    own shard out: per parameter, never the whole model on one rank, but more bytes than
-    a row-level transfer would move. Non-tensor values (hyperparameters) travel with the
-    small description of what each source holds.
+:func:`pieces_of` and :func:`overlap` are the pure decisions; :func:`fetch_by_name` the
+thin collective part.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,23 +28,38 @@ from torch.distributed.tensor import DTensor, Shard
 
 from elastic_rt.errors import ElasticError
 from elastic_rt.worker import abort
+from elastic_rt.worker.trainers.sharded.row_fetch import chunk_rows
+
+Box = tuple[tuple[int, int], ...]
+"""``[start, stop)`` along every dimension of the whole tensor."""
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
     """How one rank holds one named tensor."""
 
-    shape: tuple[int, ...]
-    """The shape of the piece it holds."""
+    full: tuple[int, ...]
+    """The whole tensor's shape."""
     dtype: torch.dtype
     dim: int | None = None
     """The dimension the whole is cut along; None: it holds the whole."""
     index: int = 0
     count: int = 1
 
-    @property
-    def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * self.dtype.itemsize
+    def box(self) -> Box:
+        """The part of the whole this entry holds."""
+        return tuple(chunk_rows(size, self.count, self.index) if d == self.dim else (0, size)
+                     for d, size in enumerate(self.full))
+
+
+def overlap(a: Box, b: Box) -> Box | None:
+    """The intersection of two boxes; None when it is empty."""
+    both = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in both) else both
+
+
+def _nbytes(box: Box, dtype: torch.dtype) -> int:
+    return math.prod(hi - lo for lo, hi in box) * dtype.itemsize
 
 
 def flatten(state: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -53,22 +69,17 @@ def flatten(state: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def entry_of(value: torch.Tensor) -> Entry:
     """How ``value`` holds its tensor: a DTensor sharded on one mesh axis, or whole."""
-    if isinstance(value, DTensor):
-        local = value.to_local()
-        placement = value.placements[0]
-        if isinstance(placement, Shard):
-            # the mesh's own record: its group may be gone with the round that made it
-            coordinate = value.device_mesh.get_coordinate()
-            assert coordinate is not None  # a DTensor lives on the ranks of its mesh
-            index = coordinate[0]
-            return Entry(tuple(local.shape), local.dtype, placement.dim, index,
-                         value.device_mesh.size())
-        return Entry(tuple(local.shape), local.dtype)
+    if isinstance(value, DTensor) and isinstance(value.placements[0], Shard):
+        # the mesh's own record: its group may be gone with the round that made it
+        coordinate = value.device_mesh.get_coordinate()
+        assert coordinate is not None  # a DTensor lives on the ranks of its mesh
+        return Entry(tuple(value.shape), value.dtype, value.placements[0].dim, coordinate[0],
+                     value.device_mesh.size())
     return Entry(tuple(value.shape), value.dtype)
 
 
 def describe(flat: dict[str, Any]) -> dict[str, Any]:
-    """What a source holds: an :class:`Entry` per tensor, the value itself otherwise."""
+    """What a rank holds: an :class:`Entry` per tensor, the value itself otherwise."""
     return {key: entry_of(v) if isinstance(v, torch.Tensor) else v for key, v in flat.items()}
 
 
@@ -96,6 +107,33 @@ def pieces_of(key: str, held: dict[int, dict[str, Any]]) -> list[tuple[int, Entr
     return [by_index[i] for i in range(first.count)]
 
 
+Move = tuple[str, Entry, Box]
+"""One transfer: the key, the source's piece, the box of the whole that goes."""
+
+
+def plan_moves(sources: dict[int, dict[str, Any]],
+               wanted: list[dict[str, Any]]) -> dict[tuple[int, int], list[Move]]:
+    """``(destination, source)`` -> what goes between them, in one agreed order.
+
+    ``wanted[d]`` is rank ``d``'s description of its new state: for each of its tensors, the
+    part of it that it holds.
+    """
+    plan: dict[tuple[int, int], list[Move]] = {}
+    keys = sorted({key for want in wanted for key, entry in want.items()
+                   if isinstance(entry, Entry)})
+    for key in keys:
+        pieces = pieces_of(key, sources)
+        for dest, want in enumerate(wanted):
+            target = want.get(key)
+            if not isinstance(target, Entry):
+                continue
+            for src, piece in pieces:
+                box = overlap(piece.box(), target.box())
+                if box is not None:
+                    plan.setdefault((dest, src), []).append((key, piece, box))
+    return plan
+
+
 def fetch_by_name(held: dict[str, Any] | None, targets: dict[str, Any],
                   group: dist.ProcessGroup) -> None:
     """Fill ``targets`` (this rank's new state, flat) from the sources' ``held`` state.
@@ -105,28 +143,42 @@ def fetch_by_name(held: dict[str, Any] | None, targets: dict[str, Any],
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     entries: list[Any] = [None] * world
-    dist.all_gather_object(entries, (None if held is None else describe(held), sorted(targets)),
-                           group=group)
+    dist.all_gather_object(entries, (None if held is None else describe(held),
+                                     describe(targets)), group=group)
     sources = {r: described for r, (described, _) in enumerate(entries) if described is not None}
-    needed = sorted({key for _, keys in entries for key in keys})
-    plan = {key: pieces_of(key, sources) for key in needed
-            if not any(key in s and not isinstance(s[key], Entry) for s in sources.values())}
-    for key in list(targets):
-        if key not in plan:
-            targets[key] = _value_of(key, sources)
-    needs = [set(keys) for _, keys in entries]
-    send = [_pack([_local(held[key]) for key, pieces in plan.items()  # type: ignore[index]
-                   if dest in _needing(key, needs) for src, _ in pieces if src == rank])
-            for dest in range(world)]
-    sizes = [sum(e.nbytes for key, pieces in plan.items() if key in needs[rank]
-                 for s, e in pieces if s == src) for src in range(world)]
-    received = torch.empty(sum(sizes), dtype=torch.uint8)
-    work = dist.all_to_all_single(received, torch.cat(send), output_split_sizes=sizes,
-                                  input_split_sizes=[part.numel() for part in send],
-                                  group=group, async_op=True)
-    assert work is not None  # async_op=True always returns a Work
-    abort.wait(work.get_future())
-    _unpack(received, sizes, plan, targets)
+    plan = plan_moves(sources, [want for _, want in entries])
+    for key in [k for k, v in targets.items() if not isinstance(v, torch.Tensor)]:
+        targets[key] = _value_of(key, sources)
+    with torch.no_grad():
+        mine = held or {}  # a rank that is no source sends nothing
+        send = [_pack([_region(mine[key], box) for key, _, box in plan.get((dest, rank), [])])
+                for dest in range(world)]
+        sizes = [sum(_nbytes(box, piece.dtype) for _, piece, box in plan.get((rank, src), []))
+                 for src in range(world)]
+        received = torch.empty(sum(sizes), dtype=torch.uint8)
+        work = dist.all_to_all_single(received, torch.cat(send), output_split_sizes=sizes,
+                                      input_split_sizes=[part.numel() for part in send],
+                                      group=group, async_op=True)
+        assert work is not None  # async_op=True always returns a Work
+        abort.wait(work.get_future())
+        for src, chunk in enumerate(torch.split(received, sizes)):
+            offset = 0
+            for key, piece, box in plan.get((rank, src), []):
+                size = _nbytes(box, piece.dtype)
+                data = chunk[offset:offset + size].clone().view(piece.dtype)
+                _region(targets[key], box).copy_(data.reshape(_extent(box)))
+                offset += size
+
+
+def _region(value: torch.Tensor, box: Box) -> torch.Tensor:
+    """The view of ``value``'s own tensor (a DTensor's local shard) that holds ``box``."""
+    entry, local = entry_of(value), _local(value)
+    start = entry.box()
+    return local[tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(box, start))]
+
+
+def _extent(box: Box) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
 
 
 def _value_of(key: str, sources: dict[int, dict[str, Any]]) -> Any:
@@ -136,40 +188,6 @@ def _value_of(key: str, sources: dict[int, dict[str, Any]]) -> Any:
             return held[key]
     raise ElasticError(f"no source holds {key!r}: the model built for this round "
                        "differs from the one that trained")
-
-
-def _needing(key: str, needs: list[set[str]]) -> list[int]:
-    return [dest for dest, keys in enumerate(needs) if key in keys]
-
-
-def _unpack(received: torch.Tensor, sizes: list[int], plan: dict[str, list[tuple[int, Entry]]],
-            targets: dict[str, Any]) -> None:
-    """Each key's pieces out of the received bytes (per source, in key order), joined and
-    cut to the target's own part."""
-    offsets = [sum(sizes[:src]) for src in range(len(sizes))]
-    with torch.no_grad():
-        for key, pieces in plan.items():
-            if key not in targets:
-                continue
-            parts = []
-            for src, entry in pieces:
-                data = received[offsets[src]:offsets[src] + entry.nbytes]
-                offsets[src] += entry.nbytes
-                parts.append(data.clone().view(entry.dtype).reshape(entry.shape))
-            dim = pieces[0][1].dim
-            whole = parts[0] if dim is None else torch.cat(parts, dim=dim)
-            _write(targets[key], whole)
-
-
-def _write(target: torch.Tensor, whole: torch.Tensor) -> None:
-    """Copy this rank's part of ``whole`` into ``target`` (all of it, or its shard)."""
-    mine = entry_of(target)
-    local = _local(target)
-    if mine.dim is None:
-        local.copy_(whole.reshape(local.shape))
-        return
-    chunks = list(torch.chunk(whole, mine.count, dim=mine.dim))
-    local.copy_(chunks[mine.index])
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
