@@ -9,6 +9,7 @@ round's state moved by name to the new cut) and trains a few steps of the descri
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -131,3 +132,37 @@ def test_a_lost_part_comes_back_from_the_checkpoint_loaded_by_name_into_the_new_
                           timeout_s=60)
     _check(results, 5)
     assert [r["sources"][1].split()[0] for r in results[:3]] == ["checkpoint"] * 3
+
+
+def _bad_loss_step(env: WorkerEnv) -> str:
+    """One pp2 step whose loss raises on the last stage: what each rank's train raises."""
+    from elastic_rt.layout import Layout
+    from elastic_rt.sampler import ElasticSampler
+    from elastic_rt.worker.trainers import Progress, Restoring
+    from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
+    from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
+
+    def build(layout: Layout) -> Any:
+        described = dm.describe()
+
+        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            raise ValueError("the user's loss is wrong")
+        return dataclasses.replace(described, loss=loss)
+
+    ctx = _ctx(env, Layout(dp=1, pp=2), 0)
+    sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0)
+    trainer = RuntimeParallelTrainer(build, ModelParallel(schedule="GPipe"))
+    trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=sampler, progress=Progress()))
+    data = dm.Sequences(SAMPLES)
+    batch = default_collate([data[i] for i in sampler.local_batch()])
+    try:
+        trainer.train([(batch, GLOBAL_BATCH)], global_len=GLOBAL_BATCH, ctx=ctx, step=1)
+    except Exception as exc:  # noqa: B902 - the test looks at which one
+        return type(exc).__name__
+    return "nothing"
+
+
+def test_an_error_in_the_users_loss_is_a_user_code_error_not_a_lost_peer() -> None:
+    results = run_workers(_bad_loss_step, 2, timeout_s=60)
+    # the last stage's loss raised; the first stage then lost its peer mid-step
+    assert results[1] == "UserCodeError", results

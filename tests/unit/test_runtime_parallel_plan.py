@@ -159,7 +159,7 @@ def test_each_receiver_gets_exactly_the_part_of_each_piece_it_holds() -> None:
     rows = [Entry((5, 4), torch.float32, 0, i, 2) for i in range(2)]  # rows 0-2, 3-4
     cols = [Entry((5, 4), torch.float32, 1, i, 2) for i in range(2)]  # columns 0-1, 2-3
     whole = Entry((5, 4), torch.float32)
-    sources = {0: {"w": rows[0], "lr": 0.1}, 1: {"w": rows[1]}}
+    sources: dict[int, dict[str, Any]] = {0: {"w": rows[0], "lr": 0.1}, 1: {"w": rows[1]}}
     plan = plan_moves(sources, [{"w": cols[0]}, {"w": cols[1]}, {"w": whole}, {"lr": 0.1}])
     assert plan == {
         (0, 0): [("w", rows[0], ((0, 3), (0, 2)))], (0, 1): [("w", rows[1], ((3, 5), (0, 2)))],
