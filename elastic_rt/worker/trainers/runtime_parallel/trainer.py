@@ -48,7 +48,11 @@ from elastic_rt.worker.trainers.checkpoint_restore import (
     named_state,
 )
 from elastic_rt.worker.trainers.meta import TrainMeta
-from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder, gather_holders
+from elastic_rt.worker.trainers.model_parallel.part_broadcast import (
+    Holder,
+    Part,
+    gather_holders,
+)
 from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 from elastic_rt.worker.trainers.runtime_parallel.by_name import fetch_by_name, flatten
@@ -113,27 +117,30 @@ class RuntimeParallelTrainer:
         state = self._build(ctx)
         found = pick_cut_sources(holders)
         if found is None:
-            old = None  # free its tensors before the checkpoint is read
             source = from_checkpoint_or_init(at, lambda: load_checkpoint_into(state, at),
                                              state=state, last=max(h.last_step for h in holders))
         else:
-            step, sources = found
-            is_source = ctx.rank in sources.values()
-            assert old is not None or not is_source
-            initialize_optimizer_state(state.optimizer)
-            target = named_state(state)
-            flat = flatten(target)
-            fetch_by_name(flatten(named_state(old)) if is_source and old else None, flat,
-                          ctx.groups.world)
-            _load(state, flat)
-            first = min(sources.values())
-            meta = broadcast_state(at.meta(old, step=step).encode() if ctx.rank == first
-                                   else None, first, ctx.groups.world)
-            at.take(TrainMeta.decode(meta), state)
-            progress.step, progress.is_dirty = step, False
-            source = "survivors"
+            source = self._from_survivors(at, old, state, *found)
         self._start_pipeline(ctx)
         return source
+
+    def _from_survivors(self, at: Restoring, old: TrainState | None, state: TrainState,
+                        step: int, sources: dict[Part, int]) -> str:
+        """Every tensor of ``state`` by name from the parts' sources, which read ``old``
+        (their state of the previous round); the record beside it from the first."""
+        ctx = at.ctx
+        is_source = ctx.rank in sources.values()
+        initialize_optimizer_state(state.optimizer)  # the transfer writes into its tensors
+        flat = flatten(named_state(state))
+        held = flatten(named_state(old)) if is_source and old is not None else None
+        fetch_by_name(held, flat, ctx.groups.world)
+        _load(state, flat)
+        first = min(sources.values())
+        meta = broadcast_state(at.meta(old, step=step).encode() if ctx.rank == first else None,
+                               first, ctx.groups.world)
+        at.take(TrainMeta.decode(meta), state)
+        at.progress.step, at.progress.is_dirty = step, False
+        return "survivors"
 
     def _build(self, ctx: Context) -> TrainState:
         """The description for the round's layout, cut, tensor-split, with its optimizer."""
