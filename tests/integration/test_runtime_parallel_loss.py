@@ -3,9 +3,11 @@
 Two agents run ``scripts/examples/described_train.py`` (float64), whose model must be cut
 at least two ways: node ``a`` with three workers starts alone (``pp3``), node ``b`` with one
 joins (``dp2 x pp2``: ``a`` holds stage 0 twice and stage 1 once, ``b`` the other replica of
-stage 1). ``b`` is SIGKILLed mid-run. ``a``'s workers hold every part at the last step, so
-they re-plan to ``pp3`` and move the state by parameter name to the new cut: no checkpoint
-(none is configured), no step redone or skipped, and final parameters equal to those of an
+stage 1; or, with tensor parallelism allowed, ``dp2 x tp2``: ``a`` holds both shards of one
+replica and one of the other). ``b`` is SIGKILLed mid-run. ``a``'s workers hold every part
+at the last step, so they re-plan to ``pp3`` and move the state by parameter name to the new
+cut (tensor shards to pipeline stages in the second case): no checkpoint (none is
+configured), no step redone or skipped, and final parameters equal to those of an
 uninterrupted one-process run over the same batches.
 """
 
@@ -29,14 +31,15 @@ from tests.integration.launch_helpers import events, exit_code, launch_args
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
 SCRIPT = str(REPO / "scripts" / "examples" / "described_train.py")
-STEPS, GLOBAL_BATCH, SAMPLES = 40, 12, 240
+STEPS, GLOBAL_BATCH, SAMPLES = 80, 12, 240
 
 
-def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, nproc: int):
+def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, nproc: int,
+          tp_options: str):
     args = launch_args(etcd_server.endpoint, run_id, "1:2", tmp / "events.jsonl", node_id=name,
                        nproc=nproc)
     script = [SCRIPT, "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH),
-              "--samples", str(SAMPLES), "--tp-options", "1", "--float64",
+              "--samples", str(SAMPLES), "--tp-options", *tp_options.split(), "--float64",
               "--step-time", "0.1", "--out", str(tmp / "out")]
     return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
 
@@ -63,14 +66,15 @@ def _reference_params() -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in described.model.named_parameters()}
 
 
-def test_a_node_lost_from_dp2xpp2_is_replanned_to_pp3_from_the_survivors_with_no_step_lost(
-    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path
+@pytest.mark.parametrize("tp_options, grown", [("1", "dp2xpp2xtp1"), ("1 2", "dp2xpp1xtp2")])
+def test_a_node_lost_is_replanned_to_pp3_from_the_survivors_with_no_step_lost(
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path, tp_options: str,
+    grown: str,
 ) -> None:
-    nodes = {"a": _node(process_tree, etcd_server, run_id, tmp_path, "a", 3)}
+    nodes = {"a": _node(process_tree, etcd_server, run_id, tmp_path, "a", 3, tp_options)}
     wait_until(lambda: _completed(tmp_path), 120, "a step on node a")
-    nodes["b"] = _node(process_tree, etcd_server, run_id, tmp_path, "b", 1)
-    grown = lambda: len(_steps_in(tmp_path, 4)) >= 3  # noqa: E731
-    wait_until(grown, 120, "three steps under dp2xpp2")
+    nodes["b"] = _node(process_tree, etcd_server, run_id, tmp_path, "b", 1, tp_options)
+    wait_until(lambda: len(_steps_in(tmp_path, 4)) >= 3, 120, f"three steps under {grown}")
     os.killpg(nodes["b"].pid, signal.SIGKILL)
     assert exit_code(nodes["a"], 180, tmp_path / "a.log", tmp_path / "events.jsonl") == 0
 
@@ -84,7 +88,7 @@ def test_a_node_lost_from_dp2xpp2_is_replanned_to_pp3_from_the_survivors_with_no
 
     log = events(tmp_path / "events.jsonl")
     layouts = [e.metadata["layout"] for e in log if e.name == "groups.reformed" and e.rank == 0]
-    assert layouts[0] == "dp1xpp3xtp1" and "dp2xpp2xtp1" in layouts, layouts
+    assert layouts[0] == "dp1xpp3xtp1" and grown in layouts, layouts
     assert layouts[-1] == "dp1xpp3xtp1", layouts
     sources = {e.metadata["source"] for e in log if e.name == "state.restored" and e.node == "a"}
     assert sources == {"init", "survivors"}, sources
