@@ -141,6 +141,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp-options", type=int, nargs="+", default=[1, 2], help="tp degrees")
     p.add_argument("--min-cut", type=int, default=2, help="pp x tp must be at least this")
     p.add_argument("--float64", action="store_true", help="train in float64")
+    p.add_argument("--checkpoint", default=None, help="checkpoint URL (path, file://, s3://)")
+    p.add_argument("--every", type=int, default=50, help="checkpoint every this many steps")
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (s)")
     p.add_argument("--out", default=None, help="folder: each rank writes its parameters there")
     return p.parse_args()
@@ -161,6 +163,10 @@ def main() -> None:
             print(f"step {step.step} loss {step.loss:.4f} layout {ert.context().layout}",
                   flush=True)
 
+    checkpoint = None
+    if args.checkpoint:
+        # by the whole model's parameter names: it loads into any pp x tp cut
+        checkpoint = ert.Checkpointer(args.checkpoint, every_steps=args.every)
     state = ert.run(
         build=build,
         step=None,  # the loss is the description's: the runtime runs the pipeline
@@ -169,6 +175,7 @@ def main() -> None:
         global_batch_size=args.global_batch,
         max_steps=args.steps,
         limits=limits(n_params, args),
+        checkpoint=checkpoint,
         on_step=report,
     )
     if args.out:

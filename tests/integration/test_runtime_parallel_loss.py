@@ -99,5 +99,5 @@ def test_a_node_lost_is_replanned_to_pp3_from_the_survivors_with_no_step_lost(
     assert _steps_in(tmp_path, 3)[-1] == STEPS
     resumed = [e for e in log if e.name == "step.resumed" and e.rank == 0]
     restored = [e for e in log if e.name == "state.restored" and e.rank == 0]
-    print(f"kill -> next step: {resumed[-1].metadata['downtime_ms']} ms; restore "
+    print(f"failure -> next step: {resumed[-1].metadata['downtime_ms']} ms; restore "
           f"{restored[-1].metadata['duration_ms']} ms ({restored[-1].metadata['source']})")
