@@ -98,10 +98,10 @@ from elastic_rt.worker.run_options import RunOptions
 from elastic_rt.worker.rss_peak import RssPeak
 from elastic_rt.worker.trainers import (
     BuildFn,
+    ModelParallel,
     Progress,
     Restoring,
     StepFn,
-    ModelParallel,
     StepOptions,
     Trainer,
     choose,
