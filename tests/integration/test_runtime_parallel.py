@@ -103,7 +103,8 @@ def _check(results: list[dict[str, Any]], steps: int) -> None:
     ({"dp": 1, "pp": 2, "tp": 2}, {"schedule": "1F1B"}, None),
     ({"dp": 2, "pp": 2}, {"schedule": "1F1B"}, 2),
     ({"dp": 1, "pp": 2}, {"schedule": "Interleaved1F1B", "stages_per_rank": 2}, None),
-], ids=["pp2-gpipe", "tp2", "pp2xtp2", "pp2xdp2", "pp2-interleaved"])
+    ({"dp": 2, "pp": 2}, {"schedule": "LoopedBFS", "stages_per_rank": 2}, 2),
+], ids=["pp2-gpipe", "tp2", "pp2xtp2", "pp2xdp2", "pp2-interleaved", "pp2xdp2-loopedbfs"])
 def test_a_layout_trains_the_parameters_of_one_process(layout: dict[str, int],
                                                        options: dict[str, Any],
                                                        micro: int | None) -> None:
