@@ -98,6 +98,7 @@ from elastic_rt.worker.run_options import RunOptions
 from elastic_rt.worker.rss_peak import RssPeak
 from elastic_rt.worker.trainers import (
     BuildFn,
+    ModelParallel,
     Progress,
     Restoring,
     StepFn,
@@ -134,6 +135,7 @@ def run(
     on_step: Callable[[StepReport], None] | None = None,
     peer_copy_every: int = 1,
     stragglers: Stragglers = Stragglers(),
+    model_parallel: ModelParallel | None = None,
 ) -> Any:
     """Train ``max_steps`` steps elastically; returns this rank's final state.
 
@@ -166,6 +168,9 @@ def run(
         stragglers: when a rank persistently slower than the others trains a smaller
             share of the same global batch, and when it is evicted
             (``worker/stragglers.py``; replicated data parallelism).
+        model_parallel: with ``step=None``, the runtime builds pipeline and tensor
+            parallelism from the :class:`ModelDescription` ``build`` returns, re-planned
+            every round (the schedule and micro-batches; ``docs/parallelism.md``).
 
     Raises:
         ElasticError: recovery is impossible (budget spent, no round in time).
@@ -174,6 +179,7 @@ def run(
     """
     checked = RunOptions(
         global_batch_size=global_batch_size, max_steps=max_steps, is_step_owned=step is None,
+        is_runtime_parallel=model_parallel is not None,
         seed=seed, micro_batch_size=micro_batch_size, limits=limits,
         max_failed_steps=max_failed_steps, reform_timeout=reform_timeout,
         autocast_dtype=autocast_dtype, clip_grad_norm=clip_grad_norm,
@@ -189,7 +195,7 @@ def run(
                           clip_grad_norm=clip_grad_norm,
                           accumulates=micro_batch_size is not None)
     trainer = choose(build=build, step=step, limits=limits, options=options,
-                     peer_copy_every=peer_copy_every)
+                     peer_copy_every=peer_copy_every, model_parallel=model_parallel)
     loop = _ElasticLoop(
         checked, trainer=trainer, checkpoint=checkpoint, sampler=sampler,
         batches=BatchSource(dataset, sampler, loader or LoaderOptions(collate_fn=collate)),

@@ -30,6 +30,8 @@ class RunOptions:
     max_steps: int
     is_step_owned: bool = False
     """``step=None``: the object ``build`` returns owns its step (model parallelism)."""
+    is_runtime_parallel: bool = False
+    """``model_parallel`` is given: the runtime builds pp and tp from a ModelDescription."""
     seed: int = 0
     micro_batch_size: int | None = None
     limits: ModelLimits = field(default_factory=ModelLimits)
@@ -47,6 +49,9 @@ class RunOptions:
                 f"max_steps={self.max_steps}, global_batch_size={self.global_batch_size}",
                 "Pass max_steps >= 0 and global_batch_size >= 1.",
             )
+        if self.is_runtime_parallel:
+            self._check_runtime_parallel()
+            return
         if self.is_step_owned and self.micro_batch_size is not None:
             raise ConfigError(
                 "micro_batch_size is set but build() owns its step (step=None)",
@@ -65,6 +70,16 @@ class RunOptions:
                 "Pass autocast_dtype=torch.bfloat16 (FSDP's mixed precision, no scaler), "
                 "or train replicated (max_shard=1).",
             )
+
+    def _check_runtime_parallel(self) -> None:
+        if not self.is_step_owned:
+            raise ConfigError("step is set with model_parallel",
+                              "Pass step=None: the loss is ModelDescription.loss.")
+        if self.limits.max_shard > 1 or self.autocast_dtype is not None \
+                or self.clip_grad_norm is not None:
+            raise ConfigError("max_shard, autocast_dtype or clip_grad_norm with model_parallel",
+                              "Leave them unset: the runtime-parallel family replicates over "
+                              "dp in full precision, without clipping, for now.")
 
     @property
     def is_sharded(self) -> bool:

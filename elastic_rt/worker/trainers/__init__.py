@@ -1,6 +1,9 @@
 """What the loop trains: one :class:`Trainer` per worker, chosen once by :func:`choose`.
 
-Rule: ``step=None`` -> model parallel; ``limits.max_shard > 1`` -> sharded; else replicated.
+Rule: ``model_parallel`` given -> runtime parallel (``build`` returns a ``ModelDescription``);
+``step=None`` -> model parallel (an object owning its step); ``limits.max_shard > 1`` ->
+sharded; else replicated. The family is picked by an argument, not by what ``build``
+returns: ``build`` first runs in a round, long after the family must be known.
 
 Each family restores from the first source that has the state::
 
@@ -10,6 +13,8 @@ Each family restores from the first source that has the state::
     sharded/         a TrainState under FSDP2 / HSDP       row_fetch of live pieces | of
                                                            peer_copies | checkpoint | init
     model_parallel/  an object owning its step, pp x tp    part_broadcast | checkpoint | init
+    runtime_parallel/ a ModelDescription the runtime cuts    by_name from survivors |
+                     into pp stages, tp plans, dp replicas checkpoint | init
 
 The replicated and sharded families train through ``runtime_step`` (the runtime's step).
 Shared by all three: ``protocol`` (what the loop sees), ``meta`` (:class:`TrainMeta`, the one
@@ -25,22 +30,32 @@ from __future__ import annotations
 from elastic_rt.layout import ModelLimits
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.model_parallel.trainer import OwnedStepTrainer
-from elastic_rt.worker.trainers.protocol import BuildFn, Progress, Restoring, SteppedModel, Trainer
+from elastic_rt.worker.trainers.protocol import (
+    BuildFn,
+    Progress,
+    Restoring,
+    SteppedModel,
+    Trainer,
+)
 from elastic_rt.worker.trainers.replicated import ReplicatedTrainer
+from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
+from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
 from elastic_rt.worker.trainers.runtime_step import StepFn, StepOptions
 from elastic_rt.worker.trainers.sharded.trainer import ShardedTrainer
 
-__all__ = ["BuildFn", "Progress", "Restoring", "StepFn", "StepOptions", "SteppedModel",
-           "TrainMeta", "Trainer", "choose"]
+__all__ = ["BuildFn", "ModelParallel", "Progress", "Restoring", "StepFn", "StepOptions",
+           "SteppedModel", "TrainMeta", "Trainer", "choose"]
 
 
 def choose(*, build: BuildFn, step: StepFn | None, limits: ModelLimits, options: StepOptions,
-           peer_copy_every: int) -> Trainer:
+           peer_copy_every: int, model_parallel: ModelParallel | None = None) -> Trainer:
     """The trainer for ``run``'s arguments: the one place the family is decided.
 
     Raises:
         ConfigError: ``peer_copy_every`` is negative (sharded family).
     """
+    if model_parallel is not None:
+        return RuntimeParallelTrainer(build, model_parallel)
     if step is None:
         return OwnedStepTrainer(build)
     if limits.max_shard > 1:

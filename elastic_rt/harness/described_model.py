@@ -1,0 +1,103 @@
+"""A small transformer-ish model described once for the runtime-parallel family.
+
+Shared by ``scripts/examples/described_train.py`` and the tests that check the family
+against :func:`reference_params` (one process, the same global batches), so it lives here,
+where both import it by one name.
+
+The model maps a sequence of feature vectors to targets: ``embed`` (a linear projection),
+``depth`` pre-norm blocks (a gated mixer across positions and a feed-forward pair, the pair
+Megatron splits column- then row-wise), ``norm`` and ``head``. Seeded, so every rank builds
+the same model. :func:`describe` is the whole of what a user writes for pp x tp x dp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.data import default_collate
+
+from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
+
+FEATURES, SEQ = 6, 4
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: a causal mix over positions, then a feed-forward pair."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mix = nn.Linear(SEQ, SEQ, bias=False)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.tril(torch.ones(SEQ, SEQ, dtype=x.dtype, device=x.device))
+        x = x + torch.einsum("ts,bsw->btw", self.mix.weight * mask, self.norm(x))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.layers:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def describe(*, width: int = 8, depth: int = 4, lr: float = 0.05, seed: int = 0,
+             dtype: torch.dtype = torch.float64) -> ModelDescription:
+    """The model, its blocks, its tensor-parallel plan, loss and optimizer."""
+    torch.manual_seed(seed)
+    model = Model(width, depth).to(dtype)
+    return ModelDescription(
+        model=model, before=(model.embed,), blocks=model.layers, after=(model.norm, model.head),
+        block_tp_plan={"up": ColwiseParallel(), "down": RowwiseParallel()},
+        loss=mse, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
+    )
+
+
+class Sequences(torch.utils.data.Dataset):
+    """``(x, y)``: ``y`` a fixed nonlinear function of ``x``, deterministic by seed."""
+
+    def __init__(self, n: int, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, SEQ, FEATURES, generator=generator).to(dtype)
+        self.y = torch.tanh(self.x.cumsum(1).sum(-1, keepdim=True))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def reference_params(steps: int, *, samples: int, global_batch: int,
+                     **model: Any) -> dict[str, torch.Tensor]:
+    """The uninterrupted one-process run over the same global batches: its parameters."""
+    described = describe(**model)
+    optimizer = described.optimizer(list(described.model.parameters()))
+    data = Sequences(samples)
+    sampler = ElasticSampler(samples, global_batch_size=global_batch, seed=0)
+    for _ in range(steps):
+        x, y = default_collate([data[i] for i in sampler.global_batch()])
+        optimizer.zero_grad()
+        described.loss(described.model(x), y).backward()
+        optimizer.step()
+        sampler.advance()
+    return {name: p.detach().clone() for name, p in described.model.named_parameters()}

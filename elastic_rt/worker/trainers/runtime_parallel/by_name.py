@@ -1,0 +1,200 @@
+"""Move state by name: every rank gets, of each tensor it holds in the new cut, exactly the
+part it holds, from the ranks that held it in the old cut, whatever the two cuts are
+(pp3 -> pp2 x tp2, tp2 -> dp2...).
+
+Rule: the state is keyed by the unsplit model's names (``model/layers.2.up.weight``,
+``optimizer/state.layers.2.up.weight.exp_avg``), and every rank says how it holds each key
+(:class:`Entry`): whole, or piece ``index`` of ``count`` cut along ``dim`` as ``torch.chunk``
+cuts it (a tensor-parallel DTensor shard). Each piece is a box of the whole tensor; a
+receiver gets, from each source piece, the intersection of that piece's box and its own,
+in one all-to-all of the world group, written straight into its tensors. No rank receives
+a byte it does not hold afterwards, so no rank ever holds the whole model unless it holds
+all of it in the new cut. Non-tensor values (hyperparameters) travel with the small
+description of what each rank holds.
+
+:func:`pieces_of` and :func:`overlap` are the pure decisions; :func:`fetch_by_name` the
+thin collective part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from elastic_rt.errors import ElasticError
+from elastic_rt.worker import abort
+from elastic_rt.worker.trainers.sharded.row_fetch import chunk_rows
+
+Box = tuple[tuple[int, int], ...]
+"""``[start, stop)`` along every dimension of the whole tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """How one rank holds one named tensor."""
+
+    full: tuple[int, ...]
+    """The whole tensor's shape."""
+    dtype: torch.dtype
+    dim: int | None = None
+    """The dimension the whole is cut along; None: it holds the whole."""
+    index: int = 0
+    count: int = 1
+
+    def box(self) -> Box:
+        """The part of the whole this entry holds."""
+        return tuple(chunk_rows(size, self.count, self.index) if d == self.dim else (0, size)
+                     for d, size in enumerate(self.full))
+
+
+def overlap(a: Box, b: Box) -> Box | None:
+    """The intersection of two boxes; None when it is empty."""
+    both = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in both) else both
+
+
+def _nbytes(box: Box, dtype: torch.dtype) -> int:
+    return math.prod(hi - lo for lo, hi in box) * dtype.itemsize
+
+
+def flatten(state: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``{"model": {...}, "optimizer": {...}}`` as one flat dict of ``side/key``."""
+    return {f"{side}/{key}": value for side, part in state.items() for key, value in part.items()}
+
+
+def entry_of(value: torch.Tensor) -> Entry:
+    """How ``value`` holds its tensor: a DTensor sharded on one mesh axis, or whole."""
+    if isinstance(value, DTensor) and isinstance(value.placements[0], Shard):
+        # the mesh's own record: its group may be gone with the round that made it
+        coordinate = value.device_mesh.get_coordinate()
+        assert coordinate is not None  # a DTensor lives on the ranks of its mesh
+        return Entry(tuple(value.shape), value.dtype, value.placements[0].dim, coordinate[0],
+                     value.device_mesh.size())
+    return Entry(tuple(value.shape), value.dtype)
+
+
+def describe(flat: dict[str, Any]) -> dict[str, Any]:
+    """What a rank holds: an :class:`Entry` per tensor, the value itself otherwise."""
+    return {key: entry_of(v) if isinstance(v, torch.Tensor) else v for key, v in flat.items()}
+
+
+def pieces_of(key: str, held: dict[int, dict[str, Any]]) -> list[tuple[int, Entry]]:
+    """The ``(source rank, entry)`` of each piece of ``key``, in piece order.
+
+    A whole tensor comes from its lowest holder; a cut one needs one holder per piece.
+
+    Raises:
+        ElasticError: a piece has no holder (the sources do not cover the model).
+    """
+    found = sorted((rank, entries[key]) for rank, entries in held.items()
+                   if isinstance(entries.get(key), Entry))
+    if not found:
+        raise ElasticError(f"no source holds {key!r}: the model built for this round "
+                           "differs from the one that trained")
+    first = found[0][1]
+    if first.dim is None:
+        return [found[0]]
+    by_index: dict[int, tuple[int, Entry]] = {}
+    for rank, entry in found:
+        by_index.setdefault(entry.index, (rank, entry))
+    if sorted(by_index) != list(range(first.count)):
+        raise ElasticError(f"pieces {sorted(by_index)} of {first.count} of {key!r} survive")
+    return [by_index[i] for i in range(first.count)]
+
+
+Move = tuple[str, Entry, Box]
+"""One transfer: the key, the source's piece, the box of the whole that goes."""
+
+
+def plan_moves(sources: dict[int, dict[str, Any]],
+               wanted: list[dict[str, Any]]) -> dict[tuple[int, int], list[Move]]:
+    """``(destination, source)`` -> what goes between them, in one agreed order.
+
+    ``wanted[d]`` is rank ``d``'s description of its new state: for each of its tensors, the
+    part of it that it holds.
+    """
+    plan: dict[tuple[int, int], list[Move]] = {}
+    keys = sorted({key for want in wanted for key, entry in want.items()
+                   if isinstance(entry, Entry)})
+    for key in keys:
+        pieces = pieces_of(key, sources)
+        for dest, want in enumerate(wanted):
+            target = want.get(key)
+            if not isinstance(target, Entry):
+                continue
+            for src, piece in pieces:
+                box = overlap(piece.box(), target.box())
+                if box is not None:
+                    plan.setdefault((dest, src), []).append((key, piece, box))
+    return plan
+
+
+def fetch_by_name(held: dict[str, Any] | None, targets: dict[str, Any],
+                  group: dist.ProcessGroup) -> None:
+    """Fill ``targets`` (this rank's new state, flat) from the sources' ``held`` state.
+
+    Collective over ``group``; ``held`` is None on ranks that are not sources. Tensors are
+    written in place (a DTensor's local shard); other values are replaced in ``targets``.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    entries: list[Any] = [None] * world
+    dist.all_gather_object(entries, (None if held is None else describe(held),
+                                     describe(targets)), group=group)
+    sources = {r: described for r, (described, _) in enumerate(entries) if described is not None}
+    plan = plan_moves(sources, [want for _, want in entries])
+    for key in [k for k, v in targets.items() if not isinstance(v, torch.Tensor)]:
+        targets[key] = _value_of(key, sources)
+    with torch.no_grad():
+        mine = held or {}  # a rank that is no source sends nothing
+        send = [_pack([_region(mine[key], box) for key, _, box in plan.get((dest, rank), [])])
+                for dest in range(world)]
+        sizes = [sum(_nbytes(box, piece.dtype) for _, piece, box in plan.get((rank, src), []))
+                 for src in range(world)]
+        received = torch.empty(sum(sizes), dtype=torch.uint8)
+        work = dist.all_to_all_single(received, torch.cat(send), output_split_sizes=sizes,
+                                      input_split_sizes=[part.numel() for part in send],
+                                      group=group, async_op=True)
+        assert work is not None  # async_op=True always returns a Work
+        abort.wait(work.get_future())
+        for src, chunk in enumerate(torch.split(received, sizes)):
+            offset = 0
+            for key, piece, box in plan.get((rank, src), []):
+                size = _nbytes(box, piece.dtype)
+                data = chunk[offset:offset + size].clone().view(piece.dtype)
+                _region(targets[key], box).copy_(data.reshape(_extent(box)))
+                offset += size
+
+
+def _region(value: torch.Tensor, box: Box) -> torch.Tensor:
+    """The view of ``value``'s own tensor (a DTensor's local shard) that holds ``box``."""
+    entry, local = entry_of(value), _local(value)
+    start = entry.box()
+    return local[tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(box, start))]
+
+
+def _extent(box: Box) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
+def _value_of(key: str, sources: dict[int, dict[str, Any]]) -> Any:
+    """A value that is not a tensor (a hyperparameter), from its lowest holder."""
+    for _, held in sorted(sources.items()):
+        if key in held:
+            return held[key]
+    raise ElasticError(f"no source holds {key!r}: the model built for this round "
+                       "differs from the one that trained")
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])

@@ -1,0 +1,243 @@
+"""The runtime-parallel family: pipeline and tensor parallelism built from one description.
+
+``run(build=..., step=None, model_parallel=ModelParallel(...))`` picks it; ``build(layout)``
+returns a :class:`ModelDescription`. Every round the runtime builds the model anew for the
+round's layout (a stage and a DTensor are bound to their round's groups)::
+
+    build(layout)            -> ModelDescription (the whole model, plain torch)
+    rank_modules             -> this rank's stages, blocks cut by parameter count, full names
+    split_tensors            -> block_tp_plan applied on the round's tp mesh
+    description.optimizer    -> the optimizer over this rank's (DTensor) parameters
+    restore                  -> by name, from survivors | checkpoint | init
+    Pipeline                 -> PipelineStages on the pp group + the named schedule
+
+and its state comes, in this order of preference, from
+
+1. the ranks that hold every ``(pp, tp)`` part of one cut cleanly at one step, whatever
+   the new cut (``by_name``: each tensor to its new owner): 0 steps lost;
+2. the newest committed checkpoint, loaded by name into the new cut (steps after it are
+   done again);
+3. the description as built (a fresh start only; ``build`` must be seeded, so that every
+   rank builds the same model).
+
+A step is atomic: the pipeline's sends and receives, the loss broadcast and the gradient
+all-reduce over the dp group all come before the optimizer step, so a step that raised
+leaves every rank's state at the last committed step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+from elastic_rt.errors import ConfigError
+from elastic_rt.layout import Layout
+from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.batches import to_device
+from elastic_rt.worker.context import Context
+from elastic_rt.worker.failures import user_code
+from elastic_rt.worker.train_state import TrainState
+from elastic_rt.worker.trainers.checkpoint_restore import (
+    from_checkpoint_or_init,
+    load_checkpoint_into,
+    named_state,
+)
+from elastic_rt.worker.trainers.meta import TrainMeta
+from elastic_rt.worker.trainers.model_parallel.part_broadcast import (
+    Holder,
+    Part,
+    gather_holders,
+)
+from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring
+from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
+from elastic_rt.worker.trainers.runtime_parallel.by_name import fetch_by_name, flatten
+from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
+from elastic_rt.worker.trainers.runtime_parallel.grads import sum_gradients
+from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel, Pipeline
+from elastic_rt.worker.trainers.runtime_parallel.sources import pick_cut_sources
+from elastic_rt.worker.trainers.runtime_parallel.stages import (
+    RankModules,
+    device_of,
+    local_params,
+    rank_modules,
+    split_tensors,
+)
+from elastic_rt.worker.trainers.runtime_step import initialize_optimizer_state
+
+logger = logging.getLogger(__name__)
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class RuntimeParallelTrainer:
+    """This rank's stages of a described model, rebuilt and restored every round."""
+
+    def __init__(self, build: BuildFn, options: ModelParallel) -> None:
+        self.build, self.options = build, options
+        self.description: ModelDescription | None = None
+        self.modules: RankModules | None = None
+        self.state: TrainState | None = None
+        self.held: tuple[Layout, int] | None = None  # (layout, rank) the state is cut by
+        self.pipeline: Pipeline | None = None
+        self._losses: list[tuple[float, int]] = []  # this step's (micro-batch loss, samples)
+        self._global_len = 1
+
+    def result(self) -> Any:
+        """The rank's :class:`TrainState`: its stages' parts, under the full model's names."""
+        return self.state
+
+    def prepare(self, layout: Layout) -> None:
+        """Nothing ahead of the round: the tensor split takes the round's mesh."""
+
+    def restore(self, at: Restoring) -> Restored:
+        kept = (self.description, self.modules, self.state, self.held, at.progress.step,
+                at.progress.is_dirty, at.sampler.state_dict())
+        try:
+            return Restored(self._restore(at))
+        except BaseException:
+            # A peer died during the restore: keep what this rank held, so that the next
+            # round can still restore from it (a fresh build holds nothing).
+            (self.description, self.modules, self.state, self.held, at.progress.step,
+             at.progress.is_dirty, sampler) = kept
+            at.sampler.load_state_dict(sampler)
+            raise
+
+    def _restore(self, at: Restoring) -> str:
+        ctx, progress = at.ctx, at.progress
+        old, held = self.state, self.held
+        mine = Holder.of(step=progress.step, is_clean=not progress.is_dirty,
+                         layout=held[0] if held else None, rank=held[1] if held else None)
+        holders = gather_holders(mine, ctx.groups.world)
+        progress.is_dirty = True  # until the new state holds the state of `step`
+        state = self._build(ctx)
+        found = pick_cut_sources(holders)
+        if found is None:
+            source = from_checkpoint_or_init(at, lambda: load_checkpoint_into(state, at),
+                                             state=state, last=max(h.last_step for h in holders))
+        else:
+            source = self._from_survivors(at, old, state, *found)
+        self._start_pipeline(ctx)
+        return source
+
+    def _from_survivors(self, at: Restoring, old: TrainState | None, state: TrainState,
+                        step: int, sources: dict[Part, int]) -> str:
+        """Every tensor of ``state`` by name from the parts' sources, which read ``old``
+        (their state of the previous round); the record beside it from the first."""
+        ctx = at.ctx
+        is_source = ctx.rank in sources.values()
+        initialize_optimizer_state(state.optimizer)  # the transfer writes into its tensors
+        flat = flatten(named_state(state))
+        held = flatten(named_state(old)) if is_source and old is not None else None
+        fetch_by_name(held, flat, ctx.groups.world)
+        _load(state, flat)
+        first = min(sources.values())
+        meta = broadcast_state(at.meta(old, step=step).encode() if ctx.rank == first else None,
+                               first, ctx.groups.world)
+        at.take(TrainMeta.decode(meta), state)
+        at.progress.step, at.progress.is_dirty = step, False
+        return "survivors"
+
+    def _build(self, ctx: Context) -> TrainState:
+        """The description for the round's layout, cut, tensor-split, with its optimizer."""
+        self.state = self.description = self.modules = self.pipeline = None
+        described = self.build(ctx.layout)
+        if not isinstance(described, ModelDescription):
+            raise ConfigError(f"build() returned {type(described).__name__} with "
+                              "model_parallel= set", "Return elastic_rt.ModelDescription(...).")
+        modules = rank_modules(described, ctx.layout, ctx.rank,
+                               stages_per_rank=self.options.stages_per_rank)
+        tp_mesh = ctx.groups.mesh["tp"] if ctx.groups.mesh is not None else None
+        split_tensors(described, modules, tp_mesh)
+        state = TrainState(model=modules.local, optimizer=described.optimizer(
+            local_params(modules)))
+        self.description, self.modules, self.state = described, modules, state
+        self.held = (ctx.layout, ctx.rank)
+        return state
+
+    def _start_pipeline(self, ctx: Context) -> None:
+        if ctx.layout.pp == 1:
+            return
+        assert self.modules is not None
+        self.pipeline = Pipeline(self.options, self.modules, ctx.groups.pp,
+                                 device_of(self.modules), self._loss)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The user's mean loss of a micro-batch, weighted by its share of the global batch."""
+        assert self.description is not None
+        loss = self.description.loss(output, target)
+        size = int(target.shape[0])
+        self._losses.append((float(loss.detach()), size))
+        return loss * (size / self._global_len)
+
+    def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
+              step: int) -> tuple[float, float]:
+        assert self.state is not None and self.modules is not None
+        self._losses, self._global_len = [], global_len
+        self.state.optimizer.zero_grad(set_to_none=True)
+        samples = sum(size for _, size in micro_batches)
+        device = device_of(self.modules)
+        micro_batches = [(to_device(batch, device), size) for batch, size in micro_batches]
+        with user_code(rank=ctx.rank, step=step):
+            if samples and self.pipeline is not None:
+                inputs, target = _joined(micro_batches)
+                n = self.options.microbatches(loop_count=len(micro_batches), samples=samples,
+                                              stages=self.modules.num_stages,
+                                              pp=ctx.layout.pp)
+                self.pipeline.step(inputs, target, n)
+            elif samples:
+                for batch, _ in micro_batches:
+                    self._loss(self.modules.local(batch[0]), batch[1]).backward()
+        loss_sum = self._loss_sum(ctx)
+        sum_gradients(local_params(self.modules), ctx.groups.dp)
+        self.state.optimizer.step()  # after every collective of the step: it is atomic
+        return (loss_sum / samples if samples else math.nan), loss_sum / global_len
+
+    def _loss_sum(self, ctx: Context) -> float:
+        """The summed loss of this rank's samples, known on every stage (the last one's)."""
+        total = torch.tensor([sum(value * size for value, size in self._losses)],
+                             dtype=torch.float64)
+        if self.pipeline is not None:
+            last = dist.get_global_rank(ctx.groups.pp, ctx.layout.pp - 1)
+            dist.broadcast(total, src=last, group=ctx.groups.pp)
+        return float(total)
+
+    def is_step_atomic(self) -> bool:
+        return True
+
+    def compute_seconds(self) -> float | None:
+        """None: the stages wait on each other inside the step."""
+        return None
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Model and optimizer state by the full model's names; DTensors where tp > 1."""
+        assert self.state is not None
+        return named_state(self.state)
+
+    def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
+        return TrainMeta.capture(step=step, sampler=sampler, state=self.state)
+
+    def hand_over(self, ctx: Context, step: int) -> None:
+        """Nothing: a leaver's parts come from their replicas, else from the checkpoint."""
+
+    def release(self) -> None:
+        """The stages and schedules hold the round's pp group: they go with it."""
+        self.pipeline = None
+
+
+def _joined(micro_batches: list[tuple[Any, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The share as one ``(inputs, target)`` pair (the schedule cuts its own micro-batches)."""
+    batches = [batch for batch, _ in micro_batches]
+    return (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+
+
+def _load(state: TrainState, flat: dict[str, Any]) -> None:
+    """Load the flat by-name state into ``state``'s model and optimizer."""
+    model = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("model/")}
+    optim = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("optimizer/")}
+    set_state_dict(state.model, state.optimizer, model_state_dict=model,
+                   optim_state_dict=optim, options=_FLAT)
