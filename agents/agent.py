@@ -115,45 +115,54 @@ class Agent:
                 self._metrics_server.close()
             self.kv.close()
 
-    def _preview_once_etcd_answers(self) -> Snapshot:
-        """The run as etcd has it, retrying a silent etcd for ``etcd_wait``.
+    def _joined_once_etcd_answers(self) -> tuple[Snapshot, bool]:
+        """Read the run and register (or, in standby, clear a stale registration),
+        retrying an etcd that fails a call for ``--etcd-wait``: the run and whether this
+        node joins in standby.
 
         A node and its etcd are often started at once (one job script, one pod spec), and
-        etcd takes a moment to answer; failing at once would make the user order them.
+        etcd takes a moment to answer; failing at once would make the user order them. A
+        cluster member restarting fails a call or two too (a soak's node ended here on one
+        reset connection, after its first call had succeeded).
+
+        Raises:
+            EndpointUnreachableError: etcd still failed after the wait.
         """
         wait_s = self.config.rendezvous.etcd_wait.total_seconds()
         deadline = time.monotonic() + wait_s
         warned = False
         while True:
             try:
-                return self.registry.preview()
-            except StoreConnectionError:
+                return self._join_once()
+            except StoreConnectionError as exc:
                 if time.monotonic() >= deadline:
-                    raise
+                    raise EndpointUnreachableError(
+                        f"cannot reach etcd at {self.config.rendezvous.endpoint} within "
+                        f"--etcd-wait {wait_s:g} s ({exc})",
+                        "Start etcd there (elastic-rt etcd) or fix --rdzv-endpoint.",
+                    ) from exc
                 if not warned:
-                    logger.warning("etcd at %s does not answer yet; retrying for up to %g s "
-                                   "(--etcd-wait)", self.config.rendezvous.endpoint, wait_s)
+                    logger.warning("etcd at %s does not answer yet (%s); retrying for up to %g s "
+                                   "(--etcd-wait)", self.config.rendezvous.endpoint, exc, wait_s)
                     warned = True
                 time.sleep(0.5)
 
+    def _join_once(self) -> tuple[Snapshot, bool]:
+        """One try of :meth:`_joined_once_etcd_answers`; each call may be repeated."""
+        snapshot = self.registry.preview()
+        if policy.is_stale_run(snapshot):
+            self.kv.delete_prefix(self.registry.prefix)
+        standby = policy.joins_in_standby(snapshot)
+        if standby:
+            self._evict_stale_registration()
+        elif not self.keeper.is_started:
+            self.keeper.start()
+        self.registry.publish_limits(max_restarts=self.config.max_restarts,
+                                     max_nodes=self.config.rendezvous.max_nodes)
+        return snapshot, standby
+
     def _join(self) -> None:
-        try:
-            snapshot = self._preview_once_etcd_answers()
-            if policy.is_stale_run(snapshot):
-                self.kv.delete_prefix(self.registry.prefix)
-            standby = policy.joins_in_standby(snapshot)
-            if standby:
-                self._evict_stale_registration()
-            if not standby:
-                self.keeper.start()
-            self.registry.publish_limits(max_restarts=self.config.max_restarts,
-                                         max_nodes=self.config.rendezvous.max_nodes)
-        except StoreConnectionError as exc:
-            raise EndpointUnreachableError(
-                f"cannot reach etcd at {self.config.rendezvous.endpoint} within "
-                f"--etcd-wait {self.config.rendezvous.etcd_wait.total_seconds():g} s ({exc})",
-                "Start etcd there (elastic-rt etcd) or fix --rdzv-endpoint.",
-            ) from exc
+        snapshot, standby = self._joined_once_etcd_answers()
         self.events.emit("node.joined", host=self.info.host, nproc=self.info.nproc)
         if standby and snapshot.round is not None:
             logger.info("node %s starts its workers before joining run %s", self.info.node_id,

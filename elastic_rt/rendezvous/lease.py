@@ -69,6 +69,12 @@ class LeaseKeeper:
         """When a renewal last failed (monotonic), if one did: this node may have been cut
         off then (its heartbeats do not blame a peer's silence on the peer)."""
 
+    @property
+    def is_started(self) -> bool:
+        """Whether :meth:`start` registered the node and keeps it alive (a start that
+        raised may be called again)."""
+        return self._thread.ident is not None
+
     def start(self) -> None:
         """Register now (raising store errors to the caller), then keep alive."""
         self._register()
