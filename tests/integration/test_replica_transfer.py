@@ -20,21 +20,34 @@ import dataclasses
 import json
 import os
 import signal
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from elastic_rt.errors import RoundAbandoned
+from elastic_rt.harness import wait_until
 from elastic_rt.layout import Layout
+from elastic_rt.noticed_gloo import NoticedGloo
 from elastic_rt.process_groups import abandon_groups, destroy_groups, init_groups
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers import Progress, Restoring, StepOptions
+from elastic_rt.worker.abort import round_notice
 from elastic_rt.worker.trainers.replica_state import named_tensors
+from elastic_rt.worker.trainers.replica_transfer import WINDOW, Agreement, Stream
 from elastic_rt.worker.trainers.replicated import ReplicatedTrainer
 from tests.fixtures.meta_paths import TIMEOUT, _context
-from tests.fixtures.torchdist import WorkerEnv, run_workers
+from tests.fixtures.torchdist import (
+    NOTICE_AFTER_S,
+    TEN_MINUTES,
+    WorkerEnv,
+    loopback_round,
+    run_workers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +56,8 @@ CHUNK_BYTES = 96
 _BUFFERS = {f"model.norm.{name}" for name in ("running_mean", "running_var",
                                               "num_batches_tracked")}
 """Written by each holder's forward on its own share: they leave as they were before it."""
+LATE_CHUNKS = 16
+"""Chunks of 1 KiB in the late-bytes test's state: more than a receiver posts at once."""
 
 
 class _Net(torch.nn.Module):
@@ -115,7 +130,7 @@ def _held(trainer: ReplicatedTrainer, progress: Progress,
           sampler: ElasticSampler) -> dict[str, Any]:
     assert trainer.state is not None
     meta = trainer.checkpoint_meta(step=progress.step, sampler=sampler).encode()
-    return {"tensors": {name: t.clone() for name, t in named_tensors(trainer.state)},
+    return {"tensors": {name: t.detach().clone() for name, t in named_tensors(trainer.state)},
             "strided": [name for name, t in named_tensors(trainer.state)
                         if not t.is_contiguous()],
             "groups": json.dumps(trainer.state.optimizer.state_dict()["param_groups"]),
@@ -154,7 +169,7 @@ def _kill_then_join(env: WorkerEnv) -> dict[str, Any]:
             prepared = trainer.state
         else:
             _train(trainer.state, sampler, progress, 2)  # type: ignore[arg-type]
-        buffers = {n: t.clone() for n, t in named_tensors(trainer.state)
+        buffers = {n: t.detach().clone() for n, t in named_tensors(trainer.state)
                    if n in _BUFFERS} if trainer.state is not None else {}
         builds = _BUILDS[0]
         joined = _restore(trainer, ctx, progress, sampler)
@@ -259,3 +274,46 @@ def test_a_holder_lost_mid_stream_leaves_the_newcomer_a_receiver_and_the_holder_
         if name not in _BUFFERS:
             assert torch.equal(newcomer["tensors"][name], tensor), name
     assert newcomer["meta"] == holder["meta"]
+
+
+def _late_bytes(env: WorkerEnv) -> dict[str, Any]:
+    """Rank 1 receives a stream from rank 0 that stalls (a holder cut off from the network)
+    until a newer round without rank 0 abandons it; rank 1 gives it up and fills its tensor
+    as the next round's restore would. Only then do rank 0's sends of the old round go out,
+    as a cut-off holder's do when the cut heals: they must not land in rank 1's state."""
+    notice = round_notice()
+    notice.train_in(loopback_round(0, "a", "b"))
+    groups = init_groups(env.store, rank=env.rank, world_size=2, layout=Layout(dp=2),
+                         prefix="/late/", timeout=TEN_MINUTES)
+    state = torch.full((LATE_CHUNKS * 256,), 1.0 if env.rank == 0 else 0.0)
+    agreement = Agreement(step=3, holders=(0,), receivers=(1,))
+    if env.rank == 0:
+        env.store.wait(["given-up"])
+        pieces = state.view(torch.uint8).split(1024)
+        for tag in range(WINDOW + 1):  # what the receiver posted before its first wait
+            work = dist.isend(pieces[tag], group_dst=1, group=groups.world, tag=tag)
+            assert work is not None
+            work.wait()
+        destroy_groups(groups)
+        return {}
+    threading.Timer(NOTICE_AFTER_S, notice.observe, args=(loopback_round(1, "b"),)).start()
+    stream = Stream([state], agreement, groups.world, chunk_bytes=1024)
+    try:
+        stream.finish()
+        outcome = "finished"
+    except RoundAbandoned:
+        outcome = "abandoned"
+    stream.give_up()
+    state.fill_(7.0)  # the next round's restore, from another holder
+    env.store.set("given-up", "1")
+    world = groups.world
+    assert isinstance(world, NoticedGloo)
+    wait_until(world.is_idle, 30, "the old round's receives to complete")
+    abandon_groups(groups)
+    return {"outcome": outcome, "state": state.clone()}
+
+
+def test_a_broken_streams_late_bytes_never_land_in_the_receivers_state() -> None:
+    _, receiver = run_workers(_late_bytes, 2, timeout_s=60)
+    assert receiver["outcome"] == "abandoned"
+    assert torch.equal(receiver["state"], torch.full((LATE_CHUNKS * 256,), 7.0))

@@ -66,9 +66,11 @@ class Outline:
 
 
 def named_tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of the state, in the order every rank computes alike; each shares its
-    memory with the model or optimizer (writing into it writes the state)."""
-    named = [(f"model.{k}", v) for k, v in state.model.state_dict().items()
+    """Every tensor of the state, in the order every rank computes alike: the model's
+    parameters and buffers and the optimizer's tensors themselves, not aliases (writing
+    into one writes the state; a receive that broke gives one new memory,
+    ``replica_transfer``)."""
+    named = [(f"model.{k}", v) for k, v in state.model.state_dict(keep_vars=True).items()
              if isinstance(v, torch.Tensor)]
     for index, param in enumerate(_params(state.optimizer)):
         values = state.optimizer.state.get(param, {})

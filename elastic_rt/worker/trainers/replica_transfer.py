@@ -24,12 +24,13 @@ Every wait goes through the round's abort notice (``worker/abort.py``), so a hol
 mid-transfer ends it at once (point-to-point works have no future in gloo: one thread per
 transfer waits on them in order and completes one, :class:`_Waiter`). A receiver whose
 transfer broke holds nothing (its caller marks it dirty): in the next round it is a
-receiver again. Bytes of the broken round still in flight can land in its tensors late;
-they are the same bytes of the same step (the holders' update waits for the stream, so a
-broken stream's holders are still at that step), and they arrive within moments of the
-break, long before the next round has re-formed and sent again. A holder that was
-SIGSTOPped with sends queued and woke after the next round's update would be the
-exception; its agent stops a fenced node's workers when it wakes.
+receiver again. A receive it posted may still complete later: a holder cut off from the
+network (or SIGSTOPped) with its sends in flight delivers them once it is reachable
+again, seconds later, when the receiver has long received the state again and trained on
+(a soak saw it: one chunk of step 447 landed in a newcomer's weights at step 451). So a
+broken receive gives up the memory it was posted into: each tensor with a receive still
+open gets fresh memory (its contents are void anyway), and the late bytes land in the
+old memory, which only the abandoned receive still holds.
 
 Note: the fingerprint reads a strided sample (1024 elements a tensor, every element of a
 smaller one), so it tells states apart that differ anywhere a training step touches; it
@@ -41,7 +42,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -181,16 +184,24 @@ class Stream:
 
     def __init__(self, tensors: list[torch.Tensor], agreement: Agreement,
                  group: dist.ProcessGroup, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+        me = dist.get_rank(group)
         self.bytes = planned_bytes([t.numel() * t.element_size() for t in tensors], agreement,
-                                   dist.get_rank(group), chunk_bytes=chunk_bytes)
+                                   me, chunk_bytes=chunk_bytes)
         self.began = time.monotonic()
         self.seconds: float | None = None
         """How long the transfer took, once :meth:`finish` returned."""
         self._done: Future[int] = Future()
+        self._wires = _Wires(tensors, me in agreement.receivers)
         self._thread = threading.Thread(
-            target=self._run, args=(tensors, agreement, group, chunk_bytes),
+            target=self._run, args=(agreement, group, chunk_bytes),
             name="replica-stream", daemon=True)
         self._thread.start()
+
+    def give_up(self) -> None:
+        """The stream broke off (its round is gone): it posts nothing more, and a receiver's
+        receives still open can no longer write the state (:meth:`_Wires.give_up`). Call it
+        before the tensors are used again, e.g. by the next round's restore."""
+        self._wires.give_up()
 
     def finish(self) -> int:
         """Wait for the last byte; the bytes this rank sent or received.
@@ -204,10 +215,9 @@ class Stream:
             self.seconds = time.monotonic() - self.began
         return moved
 
-    def _run(self, tensors: list[torch.Tensor], agreement: Agreement,
-             group: dist.ProcessGroup, chunk_bytes: int) -> None:
+    def _run(self, agreement: Agreement, group: dist.ProcessGroup, chunk_bytes: int) -> None:
         try:
-            self._done.set_result(transfer(tensors, agreement, group, chunk_bytes=chunk_bytes))
+            self._done.set_result(_transfer(self._wires, agreement, group, chunk_bytes))
         except Exception as exc:  # a thread boundary: finish() raises it
             self._done.set_exception(exc)  # type: ignore[arg-type]  # torch types it as T
 
@@ -224,11 +234,21 @@ def transfer(tensors: list[torch.Tensor], agreement: Agreement, group: dist.Proc
         RoundAbandoned: a newer round dropped a member while the transfer waited.
         RuntimeError: a peer's connection failed.
     """
+    wires = _Wires(tensors, dist.get_rank(group) in agreement.receivers)
+    try:
+        return _transfer(wires, agreement, group, chunk_bytes)
+    except BaseException:
+        wires.give_up()
+        raise
+
+
+def _transfer(wires: _Wires, agreement: Agreement, group: dist.ProcessGroup,
+              chunk_bytes: int) -> int:
     me = dist.get_rank(group)
-    is_receiver = me in agreement.receivers
+    is_receiver = wires.is_receiver
     if agreement.is_settled or not (is_receiver or me in agreement.holders):
         return 0
-    wires, waiter = _Wires(tensors, is_receiver), _Waiter()
+    waiter = _Waiter()
     # each entry keeps its piece alive: a staged piece's copy may already be out of _Wires
     pending: deque[_Pending] = deque()
     moved = 0
@@ -238,15 +258,19 @@ def transfer(tensors: list[torch.Tensor], agreement: Agreement, group: dist.Proc
                 zip(pieces, senders(pieces, agreement.holders))):
             if not (is_receiver or me == sender):
                 continue
-            piece = wires.bytes_of(index)[start:end]
-            if is_receiver:
-                works = [dist.irecv(piece, group_src=sender, group=group, tag=number)]
-            else:
-                works = [dist.isend(piece, group_dst=dst, group=group, tag=number)
-                         for dst in agreement.receivers]
+            with wires.posting(index) as piece_of:  # one post at a time against give_up
+                piece = piece_of[start:end]
+                if is_receiver:
+                    works = [dist.irecv(piece, group_src=sender, group=group, tag=number)]
+                else:
+                    works = [dist.isend(piece, group_dst=dst, group=group, tag=number)
+                             for dst in agreement.receivers]
+                posted = [waiter.post(work) for work in works]
+                if is_receiver:
+                    wires.open_receives[index].extend(posted)
             last = wires.on_received(index) if is_receiver and end == wires.sizes[index] else None
-            pending.extend((waiter.post(work), piece, None) for work in works[:-1])
-            pending.append((waiter.post(works[-1]), piece, last))
+            pending.extend((done, piece, None) for done in posted[:-1])
+            pending.append((posted[-1], piece, last))
             moved += (end - start) * len(works)
             while len(pending) > WINDOW:
                 _finish(pending.popleft())
@@ -265,6 +289,39 @@ class _Wires:
         self.tensors, self.is_receiver = tensors, is_receiver
         self.sizes = [t.numel() * t.element_size() for t in tensors]
         self.staged: dict[int, torch.Tensor] = {}
+        self.open_receives: defaultdict[int, list[Future[None]]] = defaultdict(list)
+        """By tensor, the receives posted into it (a done one may be left here)."""
+        self._lock = threading.Lock()
+        self._given_up = False
+
+    @contextmanager
+    def posting(self, index: int) -> Iterator[torch.Tensor]:
+        """Tensor ``index``'s bytes, to post one message on, unless the transfer was given
+        up (then it raises): a post and :meth:`give_up` never overlap.
+
+        Raises:
+            RuntimeError: the transfer was given up.
+        """
+        with self._lock:
+            if self._given_up:
+                raise RuntimeError("the state transfer was given up (its round is gone)")
+            yield self.bytes_of(index)
+
+    def give_up(self) -> None:
+        """No more posts; and on a receiver, each tensor whose own memory a receive still
+        open was posted into moves to fresh memory (its contents are void anyway), so the
+        receive can only write the old memory, which it alone still holds (a staged
+        tensor's receive writes its staging copy, which nothing reads any more). Once."""
+        with self._lock, torch.no_grad():
+            if self._given_up:
+                return
+            self._given_up = True
+            for index, receives in self.open_receives.items():
+                if index in self.staged or all(done.done() for done in receives):
+                    continue
+                tensor = self.tensors[index]
+                fresh = torch.empty_like(tensor)
+                tensor.set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())
 
     def bytes_of(self, index: int) -> torch.Tensor:
         tensor = self.tensors[index].detach()
@@ -284,8 +341,10 @@ class _Wires:
             return None
 
         def copy_back() -> None:
-            with torch.no_grad():
-                self.tensors[index].copy_(self.staged.pop(index))
+            with self._lock, torch.no_grad():
+                staged = self.staged.pop(index)
+                if not self._given_up:  # else its bytes may be late ones of a round gone
+                    self.tensors[index].copy_(staged)
         return copy_back
 
 

@@ -180,10 +180,11 @@ class ReplicatedTrainer(TrainStateTrainer):
 
     def _finish_stream(self) -> None:
         """Before the update: every byte of a stream in flight has left or arrived."""
-        stream, self.stream = self.stream, None
+        stream = self.stream
         if stream is None:
             return
-        stream.finish()
+        stream.finish()  # if it raises, release() gives the stream up
+        self.stream = None
         if self._receiving is not None:
             self._receiving.is_dirty = False  # holds the holders' step now
             logger.info("received %d bytes of state in %.2f s (%.0f MB/s) while the holders "
@@ -197,6 +198,7 @@ class ReplicatedTrainer(TrainStateTrainer):
         peer may be gone; a receiver stays dirty, and receives again in the next round."""
         if self.stream is not None:
             logger.warning("the state stream to the receivers broke off; they receive again")
+            self.stream.give_up()  # before the next round's restore writes the tensors
         self.stream, self._receiving = None, None
         super().release()
 
