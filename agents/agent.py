@@ -35,7 +35,7 @@ from agents.policy import AgentState, Observation, Phase
 from agents.preemption import NoticePoller
 from agents.round_io import agree_on_store, propose_round, report_root_cause
 from agents.run_watch import RunWatch
-from agents.worker_state import WorkerExit
+from agents.worker_state import WorkerExit, WorkerState
 from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError, StoreError
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
@@ -243,10 +243,22 @@ class Agent:
         self.workers.wait_announced(self.config.reform_timeout.total_seconds(),
                                     give_up=lambda: self.inbox.wants_to_leave,
                                     sleep=self.inbox.sleep)
+        workers, exits = self.workers.poll()
+        if workers is WorkerState.FAILED:  # not registered: replaced first (the policy)
+            return policy.StandbyStarted(action.round, announced=False, registered=False,
+                                         exits=tuple(exits))
         if action.register:
             self.keeper = self._registered_once_etcd_answers()
         return policy.StandbyStarted(action.round, announced=self.workers.in_process(),
                                      registered=action.register)
+
+    def unregister(self, action: policy.Unregister) -> None:
+        """Stop renewing the lease and revoke it: the node is no longer registered (and
+        the lease thread does not fence it); :meth:`start_in_standby` registers again."""
+        logger.info("node %s steps aside while its standby workers are replaced: %s",
+                    self.info.node_id, action.why)
+        self.keeper.stop(revoke=True)
+        self._waiting_for = None  # waiting again once registered: node.waiting says so
 
     def _registered_once_etcd_answers(self) -> LeaseKeeper:
         """Register on a new lease, retrying an etcd that fails the call (a cluster member
