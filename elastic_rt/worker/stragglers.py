@@ -17,9 +17,12 @@ Rule, every ``window`` steps, on every data-parallel rank at the same step::
 
     all-gather each rank's (samples, busy) of its last 2 windows   2 floats a step a rank
     equal shares and max(busy) / min(busy) <= factor               shares stay as they are
+    moved shares, max(busy) / min(busy) <= 1.1 and a rank           shares stay as they are
+         without a line
     else, per rank: busy = fixed + samples * per_sample,    a least-squares line over the
-         median busy time of each share the steps had;     one share (or a line that is not
-         fixed = 0 and per_sample = busy / samples          a rising one): proportional
+         median busy time of each share the steps had      one share (or a line that is not
+         (of its latest half window of steps);              a rising one): proportional,
+                                                            fixed = 0, per_sample = busy / samples
          shares of the same global batch that equalize the predicted busy times, none
          below min_share of the largest
          within 5 % of equal shares                         back to equal shares
@@ -66,6 +69,9 @@ current shares are the current shares."""
 HISTORY_WINDOWS = 2
 """Windows of steps a rank's line is fitted over: the one just ended and the one before,
 under other shares once they moved."""
+REFINE_PAST = 1 + 2 * EQUAL_WITHIN
+"""Shares already moved are moved again once the slowest rank's busy time is this many
+times the fastest one's (equal shares: ``Stragglers.factor``)."""
 MIN_SPREAD = 0.05
 """Shares that differ by less than this (relative) give no line: one share, proportional."""
 
@@ -121,14 +127,22 @@ class Fit:
     per_sample: float
 
 
-def fit(points: Sequence[Point]) -> Fit | None:
+def fit(points: Sequence[Point], recent: int) -> Fit | None:
     """Pure: the least-squares line through the median busy time of each share the steps
-    had (weighted by their steps); None with one share, or a line that does not rise
-    from a fixed part of at least zero (noise, not a measurement)."""
+    (oldest first) had, over its ``recent`` latest steps, weighted by their number;
+    None with one share, or a line that does not rise from a fixed part of at least zero
+    (noise, not a measurement).
+
+    Only a share's latest steps: its older ones may be from before the rank's speed
+    changed. Seen: a node limited mid-window, whose whole window's median was half fast,
+    gave a line that fell with more samples, and its share stayed where the first,
+    proportional rebalancing had put it (0.71 of the pace).
+    """
     levels: dict[float, list[float]] = collections.defaultdict(list)
     for samples, busy in points:
         if samples > 0:
             levels[samples].append(busy)
+    levels = {x: b[-recent:] for x, b in levels.items()}
     if len(levels) < 2 or max(levels) - min(levels) < MIN_SPREAD * max(levels):
         return None
     xs, ys, ws = zip(*((x, statistics.median(b), len(b)) for x, b in levels.items()))
@@ -180,9 +194,12 @@ def plan(points: Sequence[Sequence[Point]], current: tuple[int, ...] | None,
     verdict = Verdict(current, speeds, _to_evict(busy, at_floor, slow_windows, options))
     if min(speeds) <= 0:
         return verdict  # a rank trained nothing (its state landing): nothing to go on
-    fits = [fit(rank) for rank in points]
+    fits = [fit(rank, max(1, options.window // 2)) for rank in points]
     is_fitted = all(f is not None for f in fits)
-    if not (max(busy) > options.factor * min(busy) or (current is not None and is_fitted)):
+    # Equal shares move past ``factor``; shares already moved are refined past a smaller
+    # gap, or whenever every rank has a line (a share that stopped short stays put else).
+    gap = options.factor if current is None else min(options.factor, REFINE_PAST)
+    if not (max(busy) > gap * min(busy) or (current is not None and is_fitted)):
         return verdict
     lines = [f or Fit(0.0, t / n) for f, n, t in zip(fits, samples, busy)]
     shares = equal_busy(lines, sum(samples), options.min_share)

@@ -88,7 +88,7 @@ def test_the_line_is_fitted_through_each_shares_median_so_a_stalled_step_moves_n
 ) -> None:
     points = steps(1024, 0.1) + steps(1200, 0.11)
     points[3] = (1024, 0.7)  # a stall of the shared host
-    line = fit(points)
+    line = fit(points, 20)
     assert line is not None
     assert line.fixed == pytest.approx(0.1 - 1024 * line.per_sample)
     assert line.per_sample == pytest.approx(0.01 / 176)
@@ -101,7 +101,7 @@ def test_the_line_is_fitted_through_each_shares_median_so_a_stalled_step_moves_n
     steps(1024, 0.1) + steps(2048, 0.3),  # through zero below no samples: not a fixed part
 ])
 def test_no_line_where_the_steps_cannot_give_one(points: list[tuple[float, float]]) -> None:
-    assert fit(points) is None
+    assert fit(points, 20) is None
 
 
 def test_equal_busy_shares_sum_to_the_batch_and_respect_the_floor() -> None:
@@ -161,3 +161,20 @@ def test_a_window_is_full_after_its_steps_and_none_is_measured_without_times() -
 def test_bad_settings_are_one_clear_error(bad: dict) -> None:
     with pytest.raises(ConfigError):
         Stragglers(**bad)
+
+
+def test_a_rank_slowed_mid_window_is_fitted_on_each_shares_latest_steps() -> None:
+    """c is held to half its speed half-way through the window before the first
+    rebalancing: the older half of that share's steps is from before."""
+    fast, slow = busy_of(0.02, 5e-5), busy_of(0.04, 1e-4)
+    points = steps(1024, fast(1024), 10) + steps(1024, slow(1024), 10) + steps(700, slow(700))
+    line = fit(points, 10)
+    assert line is not None
+    assert line.fixed == pytest.approx(0.04) and line.per_sample == pytest.approx(1e-4)
+    assert fit(points, 20) is None  # the whole window's median: a line falling with samples
+
+
+def test_moved_shares_are_refined_past_a_smaller_gap_than_equal_ones() -> None:
+    gap = window([8, 8, 5], [1.0, 1.0, 1.15])  # 15 % slower: under the factor, over 10 %
+    assert plan(gap, None, [0, 0, 0], OPTIONS).weights is None
+    assert plan(gap, (1000, 1000, 625), [0, 0, 0], OPTIONS).weights == (1000, 1000, 543)
