@@ -35,7 +35,7 @@ from agents.policy import AgentState, Observation, Phase
 from agents.preemption import NoticePoller
 from agents.round_io import agree_on_store, propose_round, report_root_cause
 from agents.run_watch import RunWatch
-from agents.worker_state import WorkerExit
+from agents.worker_state import WorkerExit, WorkerState
 from elastic_rt.errors import EndpointUnreachableError, StoreConnectionError, StoreError
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
@@ -189,12 +189,13 @@ class Agent:
 
     def _watched_round(self) -> Round | None:
         """The round whose next member this node watches: its workers', and while it
-        settles a failure of its own, the round it is still a member of (its successor
-        in the ring went unwatched then: a peer that stopped behind it stayed, in the
-        soak, until its lease ran out)."""
+        settles a failure of its own or waits for its replacement workers' ranks, the
+        round it is still a member of (its successor in the ring went unwatched then: a
+        peer that stopped behind it stayed, in the soak, until its lease ran out)."""
         running = self.state.running
         decided = self.driver.rendezvous
-        if running is None and self.state.phase is Phase.SETTLING \
+        if (running is None or running.number < 0) \
+                and self.state.phase in (Phase.SETTLING, Phase.STANDBY) \
                 and isinstance(decided, rounds.Participate):
             return decided.round
         return running
@@ -223,6 +224,7 @@ class Agent:
                            action.proposal.round.number, exc)
 
     def start_workers(self, action: policy.StartWorkers) -> policy.WorkersStarted | None:
+        self.heartbeat.watch(action.round)  # see _agree_on_store
         master = self._agree_on_store(action.round)
         if master is None:
             return None
@@ -231,12 +233,17 @@ class Agent:
         return policy.WorkersStarted(action.round)
 
     def follow_round(self, action: policy.FollowRound) -> policy.RoundFollowed | None:
+        self.heartbeat.watch(action.round)  # see _agree_on_store
         if self._agree_on_store(action.round) is None:
             return None
         self._waiting_for = None
         return policy.RoundFollowed(action.round, now=time.monotonic())
 
     def _agree_on_store(self, round_: Round) -> tuple[str, int] | None:
+        """Up to ``store_wait``. The heartbeat already watches our successor in ``round_``
+        meanwhile: it is only retargeted between two turns of the loop, and a node killed
+        right after the round admitted it went unwatched while its watcher waited here
+        (noticed by its lease 7.6 s later, docs/soak.md finding 6)."""
         return agree_on_store(self.registry, round_, self.info, wait=self.config.store_wait,
                               sleep=self.inbox.sleep)
 
@@ -247,15 +254,33 @@ class Agent:
         self.registry.mark_in_process()
 
     def start_in_standby(self, action: policy.StartInStandby) -> policy.StandbyStarted:
-        """Start workers outside any round; register only once they are imported."""
+        """Start workers outside any round; register only once they are imported.
+
+        A member without ranks (``register`` false: its replacements, at the minimum node
+        count) still watches its successor in the round while they import (up to the
+        reform timeout), as while it settles the failure (:meth:`_watched_round`)."""
+        if not action.register:
+            self.heartbeat.watch(action.round)
         self.workers.start_standby(action.restart_count, first=action.first)
         self.workers.wait_announced(self.config.reform_timeout.total_seconds(),
                                     give_up=lambda: self.inbox.wants_to_leave,
                                     sleep=self.inbox.sleep)
+        workers, exits = self.workers.poll()
+        if workers is WorkerState.FAILED:  # not registered: replaced first (the policy)
+            return policy.StandbyStarted(action.round, announced=False, registered=False,
+                                         exits=tuple(exits))
         if action.register:
             self.keeper = self._registered_once_etcd_answers()
         return policy.StandbyStarted(action.round, announced=self.workers.in_process(),
                                      registered=action.register)
+
+    def unregister(self, action: policy.Unregister) -> None:
+        """Stop renewing the lease and revoke it: the node is no longer registered (and
+        the lease thread does not fence it); :meth:`start_in_standby` registers again."""
+        logger.info("node %s steps aside while its standby workers are replaced: %s",
+                    self.info.node_id, action.why)
+        self.keeper.stop(revoke=True)
+        self._waiting_for = None  # waiting again once registered: node.waiting says so
 
     def _registered_once_etcd_answers(self) -> LeaseKeeper:
         """Register on a new lease, retrying an etcd that fails the call (a cluster member

@@ -46,6 +46,7 @@ from agents.policy.actions import (
     StartWorkers,
     StopWorkers,
     Succeed,
+    Unregister,
 )
 from agents.policy.decide import decide
 from agents.policy.failures import (
@@ -108,7 +109,7 @@ __all__ = [
     "ReformWritten", "Register", "RegisterFailed", "Registered", "ReplaceWorkers",
     "ReportRootCause", "RestartCounted", "RestartInStandby", "RevokeLostLease", "RoundFollowed",
     "Settings", "Sleep", "StandbyStarted", "StartInStandby", "StartWorkers", "StopWorkers",
-    "Succeed", "WorkersStarted", "acks_in_process", "alarm_verdict", "closed_outcome",
+    "Succeed", "Unregister", "WorkersStarted", "acks_in_process", "alarm_verdict", "closed_outcome",
     "closed_record", "decide", "exit_code", "finished_without_us", "is_stale_run",
     "joins_in_standby", "on_restart_counted", "on_worker_failure", "repeated_failure",
     "should_read", "should_report", "supersedes", "with_ranks",

@@ -94,6 +94,15 @@ class RevokeLostLease:
 
 
 @dataclass(frozen=True, slots=True)
+class Unregister:
+    """Drop this node's registration (revoke its lease) without leaving the job: a spare
+    or a node waiting to be admitted whose standby worker died, so that no round admits
+    it while the replacement imports torch (every member would wait for it)."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class Register:
     """Back from a fence in restart mode: register on a new lease (-> ``Registered``
     or ``RegisterFailed``); the next round that lists us starts our workers."""
@@ -217,7 +226,7 @@ class Sleep:
 
 
 Action = (ProposeRound | StartWorkers | FollowRound | StopWorkers | PublishInProcess
-          | StartInStandby | RevokeLostLease | Register | HandleFailure | ProbePeers
+          | StartInStandby | RevokeLostLease | Unregister | Register | HandleFailure | ProbePeers
           | ClaimFailure | CountRestart | ReportRootCause | LeaveRound | ReformWithoutUs
           | AnnounceLeave | LeaveAtBoundary | Succeed | CloseRun | Exit | JoinTimedOut | Sleep)
 

@@ -6,7 +6,13 @@ import dataclasses
 
 from agents.policy import failures, leaving, running
 from agents.policy import observations as seen
-from agents.policy.actions import Decision, Sleep, StartInStandby, StopWorkers
+from agents.policy.actions import (
+    Decision,
+    HandleFailure,
+    Sleep,
+    StartInStandby,
+    StopWorkers,
+)
 from agents.policy.observations import Observed
 from agents.policy.state import AgentState, Phase, Settings
 
@@ -68,6 +74,14 @@ def _standby_started(state: AgentState, obs: seen.StandbyStarted) -> Decision:
     """
     state = dataclasses.replace(state, ever_ran=True,
                                 registered=state.registered or obs.registered)
+    if any(e.exitcode != 0 for e in obs.exits):
+        # Died before announcing itself (killed while importing): replaced in standby like
+        # one dying later. Stopping them and joining the normal way would start restart-mode
+        # workers in each round that admits us, every member waiting for them to import
+        # torch, and again in the next round before they acknowledge (docs/soak.md, 7).
+        outside = dataclasses.replace(obs.round, number=-1)
+        return Decision(dataclasses.replace(state, phase=Phase.STANDBY, round=outside),
+                        (HandleFailure(outside, obs.exits),))
     if not obs.announced:
         return Decision(running.stopped(state),
                         (StopWorkers("standby workers did not start in time"),))

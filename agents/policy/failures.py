@@ -3,7 +3,9 @@
 The rules: a membership change that took our workers down is free (the next round
 handles it), and so is a failure a dead peer explains; otherwise one node per round
 claims the failure and counts it against the job's restart budget, and a spent budget
-or the same exception twice closes the run for everyone. The facts cost I/O (a fresh
+or the same exception twice closes the run for everyone. A standby worker's failure
+(outside any round) disturbs no member: it is counted at once and the worker replaced
+in standby. The facts cost I/O (a fresh
 snapshot, probes of the peers, the claim, the count), so settling is a phase of
 :func:`agents.policy.decide`: each fact comes back as an observation and the state
 stays SETTLING, holding what was learned, until the failure is settled.
@@ -28,6 +30,7 @@ from agents.policy.actions import (
     ReformWithoutUs,
     ReportRootCause,
     StartInStandby,
+    Unregister,
 )
 from agents.policy.observations import (
     FailureClaimed,
@@ -37,7 +40,7 @@ from agents.policy.observations import (
     ReformWritten,
     RestartCounted,
 )
-from agents.policy.outcomes import Failed, closed_outcome
+from agents.policy.outcomes import Failed, Finished, closed_outcome
 from agents.policy.running import participate, stopped, with_ranks
 from agents.policy.state import AgentState, Phase, Settings
 from agents.worker_state import WorkerState
@@ -152,6 +155,8 @@ def _close(state: AgentState, failed: Failed) -> Decision:
 
 def on_failure_seen(state: AgentState, obs: FailureSeen) -> Decision:
     facts = obs.facts
+    if facts.in_standby and facts.snapshot.closed is None:
+        return _standby_failed(state, facts)
     step = on_worker_failure(facts)
     if isinstance(step, Failed):
         closing = _close(state, step)
@@ -192,6 +197,8 @@ def on_failure_claimed(state: AgentState, obs: FailureClaimed) -> Decision:
 
 def on_counted(state: AgentState, obs: RestartCounted, settings: Settings) -> Decision:
     assert state.failure is not None, "a restart is counted only while settling a failure"
+    if state.failure.in_standby:
+        return _standby_counted(state, state.failure, obs.count, settings)
     verdict = on_restart_counted(state.failure, obs.count, settings)
     if isinstance(verdict, Failed):
         return _close(state, verdict)
@@ -216,6 +223,38 @@ def on_reform_written(state: AgentState, obs: ReformWritten, settings: Settings)
         actions.append(ProposeRound(without, replaced=current))
     actions.append(_standby(state, obs.proposed, obs.proposed.restarts, register=False))
     return Decision(stopped(state), tuple(actions))
+
+
+# a standby worker's failure ------------------------------------------------------------------
+def _standby_failed(state: AgentState, facts: FailureFacts) -> Decision:
+    """A worker died in standby (a spare's, a waiting node's, a replacement): no member's
+    collective waited on it, so there is no round to re-form and nobody else to claim it
+    with (the claim is one per round among members). It is counted at once against the
+    job's restart budget, as torchrun's ``--max-restarts`` counts a restart."""
+    if facts.snapshot.completing:
+        return Decision(stopped(state), (Exit(Finished(
+            "finished: the job completed before this node's workers joined")),))
+    return Decision(dataclasses.replace(stopped(state), phase=Phase.SETTLING, failure=facts),
+                    (CountRestart(),))
+
+
+def _standby_counted(state: AgentState, facts: FailureFacts, count: int, settings: Settings
+                     ) -> Decision:
+    """Replace the standby workers, the members undisturbed: a spare or a waiting node
+    drops its registration first (no round may admit it before the replacements have
+    announced themselves, and it registers again then); a member without ranks (its
+    replacements, at the minimum node count) keeps its lease, and asks for its ranks
+    once they are up. A spent budget ends this node only, unless it is a member: then
+    the job has too few nodes without it, and the run closes as for any member."""
+    current = facts.snapshot.round or facts.round
+    is_member = facts.node_id in current.members
+    if count > settings.max_restarts:
+        failed = Failed(f"{facts.what} in standby; the restart budget of "
+                        f"{settings.max_restarts} is spent")
+        return _close(state, failed) if is_member else Decision(stopped(state), (Exit(failed),))
+    why = f"{facts.what} in standby (restart {count}/{settings.max_restarts})"
+    replace = _standby(state, current, count, register=not is_member)
+    return Decision(stopped(state), (replace,) if is_member else (Unregister(why), replace))
 
 
 def _standby(state: AgentState, round_: Round, restarts: int, *, register: bool

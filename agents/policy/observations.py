@@ -99,6 +99,9 @@ class StandbyStarted:
     """Every worker announced in-process recovery in time."""
     registered: bool
     """The node registered on a new lease after they did."""
+    exits: tuple[WorkerExit, ...] = ()
+    """How the workers that ended before announcing themselves ended (none: too slow, if
+    not announced). A failed one is replaced like one failing later in standby."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,12 @@ class FailureFacts:
     now_ms: int = 0
     cause: RootCause | None = None
     """What the failed worker left in its error file, if anything."""
+
+    @property
+    def in_standby(self) -> bool:
+        """The worker failed outside any round (standby workers: a spare, a node waiting
+        to be admitted, replacements); no member's collective waited on it."""
+        return self.round.number < 0
 
     @property
     def round_changed(self) -> bool:

@@ -93,6 +93,11 @@ def on_look(state: AgentState, obs: Observation, settings: Settings) -> Decision
                            quorum_since=state.quorum_since, now_ms=obs.now_ms)
     if isinstance(action, rounds.Closed):
         return Decision(state, (Exit(closed_outcome(action.reason)),), action)
+    if state.phase is Phase.STANDBY and obs.workers is WorkerState.FAILED:
+        # A standby worker died: replace it now, whatever the round says. Waiting would
+        # let a round admit us with a dead worker; the members would then wait for it.
+        assert state.round is not None, "standby workers wait for a round"
+        return Decision(state, (HandleFailure(state.round, obs.exits),), action)
     if state.phase is Phase.FENCED and not state.registered:
         return Decision(state, _rejoin(state, snapshot), action)
     if isinstance(action, rounds.Propose):

@@ -31,6 +31,9 @@ class Workerless:
     def revoke_lost_lease(self, action: policy.RevokeLostLease) -> NoReturn:
         self._no_workers(action)
 
+    def unregister(self, action: policy.Unregister) -> NoReturn:
+        self._no_workers(action)
+
     def gather_failure(self, action: policy.HandleFailure) -> NoReturn:
         self._no_workers(action)
 

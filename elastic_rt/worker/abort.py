@@ -39,6 +39,7 @@ process). Outside the loop it is never given, and a wait is a plain wait.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, TypeVar
 
 from torch.futures import Future
@@ -48,7 +49,8 @@ from elastic_rt.errors import RoundAbandoned
 from elastic_rt.process_groups import abort_groups
 from elastic_rt.rendezvous.rounds import Round
 
-__all__ = ["RoundAbandoned", "RoundNotice", "drops_a_member", "round_notice", "wait"]
+__all__ = ["RoundAbandoned", "RoundNotice", "drops_a_member", "round_notice", "wait",
+           "waited_seconds"]
 
 T = TypeVar("T")
 _POLL_S = 0.001
@@ -122,19 +124,32 @@ class RoundNotice:
         # Polled, not called back: an abandoned collective may complete while the
         # interpreter shuts down (when its hung peer is finally stopped), and a Python
         # callback then kills the process ("terminate called without an active exception").
-        with self._cond:
-            while not future.done() and not self._given:
-                self._cond.wait(_POLL_S)
-            if not future.done():
-                ours = self._training.number if self._training else None
-                raise RoundAbandoned(
-                    f"a newer round dropped a member of round {ours}; the ProcessGroup's "
-                    "collective was abandoned")
-        return future.wait()
+        began = time.perf_counter()
+        try:
+            with self._cond:
+                while not future.done() and not self._given:
+                    self._cond.wait(_POLL_S)
+                if not future.done():
+                    ours = self._training.number if self._training else None
+                    raise RoundAbandoned(
+                        f"a newer round dropped a member of round {ours}; the ProcessGroup's "
+                        "collective was abandoned")
+            return future.wait()
+        finally:
+            _waits.seconds = waited_seconds() + time.perf_counter() - began
 
 
 _notice = RoundNotice(on_given=abort_groups)
 noticed_gloo.end_waits_when(lambda: _notice.is_given)
+
+
+_waits = threading.local()
+
+
+def waited_seconds() -> float:
+    """Seconds this thread has spent waiting on collectives here, in all (what a rank's
+    step spent blocked on its peers, not working: ``worker/stragglers.py``)."""
+    return float(getattr(_waits, "seconds", 0.0))
 
 
 def round_notice() -> RoundNotice:

@@ -79,7 +79,7 @@ from elastic_rt.rendezvous.checkpoint_pointer import FencedPointer
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import Round
 from elastic_rt.sampler import ElasticSampler
-from elastic_rt.worker.abort import loses_a_rank, round_notice
+from elastic_rt.worker.abort import loses_a_rank, round_notice, waited_seconds
 from elastic_rt.worker.allocator import (
     REPLICATED_TRIM_THRESHOLD_BYTES,
     SHARDED_TRIM_THRESHOLD_BYTES,
@@ -319,6 +319,7 @@ class _ElasticLoop:
 
     def _train(self, joined: JoinedRound) -> None:
         while self.progress.step < self.options.max_steps:
+            began, waited = time.perf_counter(), waited_seconds()
             # A newer round is joined at a boundary every rank votes for (boundary_vote),
             # and waits for the step a stream lands in: that step finishes it.
             newer = not self.sitting_out and self.membership.has_newer_round(joined.number)
@@ -348,8 +349,15 @@ class _ElasticLoop:
                 self.leave_together(joined)
             if stop & Stop.NEWER_ROUND:
                 raise NewerRound()
-            if self.balancer.record(self._step_samples, self.trainer.compute_seconds()):
+            if self.balancer.record(self._step_samples, self._busy_since(began, waited)):
                 self._rebalance(joined)
+
+    def _busy_since(self, began: float, waited: float) -> float | None:
+        """This step's wall time less its waits on peers (the straggler's measure); None
+        where the trainer's collectives run inside its forward, untimed."""
+        if self.trainer.compute_seconds() is None:
+            return None
+        return (time.perf_counter() - began) - (waited_seconds() - waited)
 
     # recovery phases --------------------------------------------------------------
     def reform_groups(self, round_: Round) -> JoinedRound:

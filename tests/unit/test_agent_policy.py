@@ -688,3 +688,90 @@ def test_an_alarm_is_answered_from_the_probes_outside_any_failure(
     look = observe(None, workers, exits=(FAIL,) if workers is WorkerState.FAILED else ())
     decision = policy.decide(RUNNING_R1, policy.PeersProbed(R1, dead, unsure, look), SETTINGS)
     assert kinds(decision) == actions
+
+
+# a standby worker's failure: replaced in standby, the members undisturbed ------------------
+SPARE_SETTINGS = dataclasses.replace(SETTINGS, node_id="c",
+                                     limits=Limits(min_nodes=1, max_nodes=2, last_call=5.0))
+FULL = Snapshot(round=R1, nodes=nodes("a", "b", "c"), in_process=True)
+"""Members a and b; c is registered beyond the maximum: a spare."""
+SPARE = AgentState(phase=Phase.STANDBY, round=STANDBY_R1, ever_ran=True)
+
+
+def spare_decides(state: AgentState, obs: policy.Observed,
+                  settings: Settings = SPARE_SETTINGS) -> policy.Decision:
+    return policy.decide(state, obs, settings)
+
+
+def standby_facts(snapshot: Snapshot, node: str = "c") -> FailureFacts:
+    return FailureFacts(STANDBY_R1, snapshot, True, FAIL, node, now_ms=5)
+
+
+@pytest.mark.parametrize("snapshot", [FULL, Snapshot(round=dataclasses.replace(
+    round_of("a", "c", number=2, token=70)), nodes=nodes("a", "c"), in_process=True)],
+    ids=["waiting as a spare", "a round admitting it"])
+def test_a_dead_standby_worker_is_handled_at_once_whatever_the_round(snapshot: Snapshot) -> None:
+    look = observe(snapshot, WorkerState.FAILED, exits=(FAIL,), acks=(-1,))
+    decision = spare_decides(SPARE, look)
+    assert decision.actions == (policy.HandleFailure(STANDBY_R1, (FAIL,)),)
+
+
+def test_a_standby_worker_killed_before_announcing_is_replaced_not_left_to_restart_mode(
+) -> None:
+    """Finding 7: "standby workers did not start in time", then workers started afresh in
+    every round that listed the node, each importing torch while the members waited."""
+    died = policy.StandbyStarted(R1, announced=False, registered=False, exits=(FAIL,))
+    decision = spare_decides(AgentState(), died)
+    assert decision.actions == (policy.HandleFailure(STANDBY_R1, (FAIL,)),)
+    assert decision.state.phase is Phase.STANDBY
+    slow = spare_decides(AgentState(), policy.StandbyStarted(R1, announced=False,
+                                                             registered=True))
+    assert kinds(slow) == ["StopWorkers"]  # too slow, alive: the normal way, as before
+
+
+def test_a_spares_dead_worker_counts_a_restart_without_a_claim_and_is_replaced_in_standby(
+) -> None:
+    seen = spare_decides(SPARE, policy.FailureSeen(standby_facts(FULL)))
+    assert seen.actions == (policy.CountRestart(),)  # no claim: no round of members failed
+    counted = spare_decides(seen.state, policy.RestartCounted(1))
+    assert kinds(counted) == ["Unregister", "StartInStandby"]  # no round proposed or left
+    assert counted.actions[1] == policy.StartInStandby(R1, restart_count=1, first=False,
+                                                       register=True)
+    assert counted.state.phase is Phase.IDLE and counted.state.failure is None
+    back = spare_decides(counted.state, policy.StandbyStarted(R1, announced=True,
+                                                              registered=True))
+    assert back.state.phase is Phase.STANDBY and back.actions == ()
+    waiting = spare_decides(back.state, observe(FULL, acks=(-1,)))
+    assert kinds(waiting) == ["Sleep"]  # a spare again
+
+
+def test_a_spent_budget_ends_the_spare_alone() -> None:
+    seen = spare_decides(SPARE, policy.FailureSeen(standby_facts(FULL)))
+    spent = spare_decides(seen.state, policy.RestartCounted(SETTINGS.max_restarts + 1))
+    assert kinds(spent) == ["Exit"]  # the run is not closed: its members train on
+    exit_ = spent.actions[0]
+    assert isinstance(exit_, Exit) and isinstance(exit_.outcome, Failed)
+    assert "budget of 2 is spent" in exit_.outcome.reason
+
+
+def test_a_member_without_ranks_replaces_its_standby_workers_under_its_lease() -> None:
+    """At the minimum node count a node replacing its failed workers stays a member with
+    no ranks (ReplaceWorkers); a replacement dying in standby keeps it one."""
+    without = dataclasses.replace(R1, number=2, nprocs=(0, 1), token=55)
+    snapshot = Snapshot(round=without, nodes=nodes("a", "b"), in_process=True)
+    outside = dataclasses.replace(without, number=-1)
+    state = AgentState(phase=Phase.STANDBY, round=outside, ever_ran=True)
+    seen = policy.decide(state, policy.FailureSeen(FailureFacts(
+        outside, snapshot, True, FAIL, "a", now_ms=5)), SETTINGS)  # fmt: skip
+    counted = policy.decide(seen.state, policy.RestartCounted(1), SETTINGS)
+    assert counted.actions == (policy.StartInStandby(without, restart_count=1, first=False,
+                                                     register=False),)
+    spent = policy.decide(seen.state, policy.RestartCounted(3), SETTINGS)
+    assert kinds(spent) == ["CloseRun", "Exit"]
+
+
+def test_a_standby_worker_failing_as_the_job_finishes_ends_the_spare_finished() -> None:
+    seen = spare_decides(SPARE, policy.FailureSeen(standby_facts(
+        dataclasses.replace(FULL, completing=True))))
+    assert kinds(seen) == ["Exit"] and isinstance(seen.actions[0], Exit)
+    assert isinstance(seen.actions[0].outcome, Finished)

@@ -124,9 +124,9 @@ class Trainer(Protocol):
         """Whether a step that raises leaves the state of the last committed step."""
 
     def compute_seconds(self) -> float | None:
-        """The last step's own forward and backward, without waits on peers (a
-        straggler's measure, ``worker/stragglers.py``); None where collectives run
-        inside the forward and the two cannot be told apart."""
+        """The last step's own forward and backward, without waits on peers; None where
+        collectives run inside the forward and the two cannot be told apart, and then
+        the loop does not measure the rank's busy time either (``worker/stragglers.py``)."""
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The tensors a checkpoint saves and loads into (by name, into any layout)."""
