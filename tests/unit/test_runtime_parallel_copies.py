@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from elastic_rt.errors import ConfigError
 from elastic_rt.layout import Layout
 from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder
+from elastic_rt.worker.trainers.runtime_parallel.copies import PartCopies
 from elastic_rt.worker.trainers.runtime_parallel.copy_sources import (
     Choice,
     Copy,
@@ -77,3 +79,7 @@ def test_copies_are_kept_where_one_node_holds_every_holder_of_a_part(
         layout: Layout, per_node: int, want: bool) -> None:
     assert needs_copies(layout, per_node) is want
 
+
+def test_a_negative_copy_interval_is_one_config_error_line() -> None:
+    with pytest.raises(ConfigError, match="peer_copy_every=-1"):
+        PartCopies(-1)
