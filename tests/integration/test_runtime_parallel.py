@@ -34,7 +34,7 @@ def _ctx(env: WorkerEnv, layout: Any, number: int) -> Any:
     groups = init_groups(env.store, rank=env.rank, world_size=layout.world_size, layout=layout,
                          prefix=f"/round-{number}/", timeout=TIMEOUT)
     return Context(rank=env.rank, world_size=layout.world_size, local_rank=env.rank,
-                   node_id="n", round=number, token=number, layout=layout, groups=groups)
+                   node_id=f"n{env.rank}", round=number, token=number, layout=layout, groups=groups)
 
 
 def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],

@@ -21,7 +21,6 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import default_collate
 
-from elastic_rt.config import LOCAL_WORLD_SIZE_ENV
 from elastic_rt.harness import described_model as dm
 from elastic_rt.harness import wait_until
 from tests.fixtures.torchdist import WorkerEnv, run_workers
@@ -83,7 +82,6 @@ def _lose_stage_1(env: WorkerEnv, every: int, before: int, total: int,
     from elastic_rt.layout import Layout
     from elastic_rt.process_groups import destroy_groups
 
-    os.environ[LOCAL_WORLD_SIZE_ENV] = "1"  # every rank is a node of its own
     pp2 = Layout(dp=1, pp=2)
     run = _Run(every)
     failed = "no step failed"

@@ -14,6 +14,7 @@ from elastic_rt.worker.trainers.runtime_parallel.copy_sources import (
     Copy,
     needs_copies,
     pick_sources,
+    ring_shift,
 )
 
 PP2 = (2, 1)
@@ -67,17 +68,28 @@ def test_snapshots_of_another_cut_are_never_mixed_into_a_cut() -> None:
     assert pick_sources([NOBODY, NOBODY], [[], []]) is None
 
 
-@pytest.mark.parametrize("layout, per_node, want", [
-    (Layout(dp=1, pp=2), 1, True),           # each stage on one node only
-    (Layout(dp=2, pp=2), 1, False),          # a replica of each stage on another node
-    (Layout(dp=2, pp=2), 2, True),           # both replicas of a stage on one node
-    (Layout(dp=1, pp=2), 2, False),          # one node: there is nowhere to copy to
-    (Layout(dp=1, tp=2), 1, True),
-    (Layout(dp=4), 1, False),
+@pytest.mark.parametrize("layout, nodes, want", [
+    (Layout(dp=1, pp=2), "ab", True),        # each stage on one node only
+    (Layout(dp=2, pp=2), "abcd", False),     # a replica of each stage on another node
+    (Layout(dp=2, pp=2), "aabb", True),      # both replicas of a stage on one node
+    (Layout(dp=2, pp=2), "aaab", True),      # stage 0's replicas both on a
+    (Layout(dp=1, tp=2), "ab", True),
+    (Layout(dp=4), "aabb", False),
 ])
 def test_copies_are_kept_where_one_node_holds_every_holder_of_a_part(
-        layout: Layout, per_node: int, want: bool) -> None:
-    assert needs_copies(layout, per_node) is want
+        layout: Layout, nodes: str, want: bool) -> None:
+    assert needs_copies(layout, list(nodes)) is want
+
+
+@pytest.mark.parametrize("nodes, shift", [
+    ("ab", 1), ("aabb", 2), ("aaabbbccc", 3), ("abab", 1),
+    ("aa", None),      # one node: nowhere to copy to
+    ("aaab", None),    # three ranks and one: no shift puts every copy on another node
+    ("aabbb", None),
+])
+def test_the_ring_shift_puts_every_ranks_copy_on_another_node(nodes: str,
+                                                              shift: int | None) -> None:
+    assert ring_shift(list(nodes)) == shift
 
 
 def test_a_negative_copy_interval_is_one_config_error_line() -> None:

@@ -3,8 +3,10 @@
 A part (a ``(pp, tp)`` cut of the model) with no replica on another node is lost with its
 node. Like the FSDP family (``sharded/peer_copies``, whose exchange this reuses), every
 ``every`` steps each rank snapshots its own part by name (local tensors, how each is cut,
-and the :class:`TrainMeta` of that step) and sends a copy to its ring holder, the same local
-rank on the next node, in the background on a side group. A snapshot counts once its
+and the :class:`TrainMeta` of that step) and sends a copy to its ring holder, the nearest
+rank after it such that every rank's holder is on another node (``copy_sources.ring_shift``;
+the same local rank on the next node when nodes are equal), in the background on a side
+group. A snapshot counts once its
 exchange completed; the newest completed one and the one before it are kept. A restore then
 finds each lost part in its holder's copy (``copy_sources``) and moves it by name like a
 live part (``by_name.fetch_offers``): at most ``every`` steps are done again, and nothing is
@@ -17,10 +19,8 @@ of its neighbour's), as under FSDP (``sharded/peer_copies``).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-from elastic_rt.config import LOCAL_WORLD_SIZE_ENV
 from elastic_rt.errors import ConfigError
 from elastic_rt.process_groups import group_timeout, side_group
 from elastic_rt.sampler import ElasticSampler
@@ -30,16 +30,16 @@ from elastic_rt.worker.trainers.checkpoint_restore import named_state
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.model_parallel.part_broadcast import Part
 from elastic_rt.worker.trainers.runtime_parallel.by_name import Offer, flatten, offer_of
-from elastic_rt.worker.trainers.runtime_parallel.copy_sources import Copy, needs_copies
+from elastic_rt.worker.trainers.runtime_parallel.copy_sources import (
+    Copy,
+    gather_nodes,
+    needs_copies,
+    ring_shift,
+)
 from elastic_rt.worker.trainers.runtime_step import initialize_optimizer_state
-from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring, Snapshot, ring_holder
+from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring, Snapshot
 
 logger = logging.getLogger(__name__)
-
-
-def ranks_per_node() -> int:
-    """Consecutive ranks that share a node (the agent's ``LOCAL_WORLD_SIZE``)."""
-    return max(1, int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "1")))
 
 
 def _part(ctx: Context, rank: int) -> Part:
@@ -87,13 +87,18 @@ class PartCopies:
 
     def start(self, ctx: Context) -> None:
         """This round's ring, where one node's loss could take a part (collective)."""
-        rpn = ranks_per_node()
-        holder = ring_holder(ctx.rank, ctx.world_size, rpn)
-        if not self.every or holder == ctx.rank or not needs_copies(ctx.layout, rpn):
+        if not self.every:
+            return
+        nodes = gather_nodes(ctx.node_id, ctx.groups.world)  # nodes may differ in size
+        shift = ring_shift(nodes)
+        if shift is None or not needs_copies(ctx.layout, nodes):
+            if shift is None and needs_copies(ctx.layout, nodes) and ctx.rank == 0:
+                logger.warning("no ring puts every rank's copy on another node (nodes %s): "
+                               "parts without a replica come back from the checkpoint", nodes)
             return
         group = side_group(ctx.groups.world, group_timeout(ctx.groups.dp))
         assert group is not None  # the round's groups exist
-        source = (ctx.rank - rpn) % ctx.world_size
+        holder, source = (ctx.rank + shift) % ctx.world_size, (ctx.rank - shift) % ctx.world_size
         parts = ctx.layout.pp * ctx.layout.tp
         (opp, otp), (spp, stp) = _part(ctx, ctx.rank), _part(ctx, source)
         ring = Ring(to=holder, source=source, count=parts, own_index=opp * ctx.layout.tp + otp,

@@ -9,7 +9,8 @@ own parts, and the lost parts come from the copies their ring holders keep. With
 this is ``sources.pick_cut_sources``. None: no step is covered, and the caller falls back to
 the checkpoint.
 
-:func:`pick_sources` and :func:`needs_copies` are pure; :func:`gather` is the one collective.
+:func:`pick_sources`, :func:`needs_copies` and :func:`ring_shift` are pure; :func:`gather`
+is the one collective.
 """
 
 from __future__ import annotations
@@ -62,16 +63,30 @@ def pick_sources(holders: list[Holder], copies: list[list[Copy]]) -> Choice | No
     return None
 
 
-def needs_copies(layout: Layout, ranks_per_node: int) -> bool:
+def needs_copies(layout: Layout, nodes: list[str]) -> bool:
     """Whether one node's loss can take every holder of a part (no replica on another node):
-    then each rank keeps a copy of its ring neighbour's part. ``ranks_per_node`` consecutive
-    ranks share a node (the agents' rank order)."""
-    for pp in range(layout.pp):
-        for tp in range(layout.tp):
-            nodes = {layout.rank_of(pp, dp, tp) // ranks_per_node for dp in range(layout.dp)}
-            if len(nodes) == 1:
-                return layout.world_size > ranks_per_node  # else no other node to copy to
-    return False
+    then each rank keeps a copy of its ring neighbour's part. ``nodes[r]`` is rank ``r``'s."""
+    return any(len({nodes[layout.rank_of(pp, dp, tp)] for dp in range(layout.dp)}) == 1
+               for pp in range(layout.pp) for tp in range(layout.tp))
+
+
+def ring_shift(nodes: list[str]) -> int | None:
+    """The smallest ``k`` for which every rank's ``k``-th successor (mod the world) is on
+    another node: rank ``r`` copies to ``r + k`` and keeps ``r - k``'s copy. With equal nodes
+    of consecutive ranks it is the ranks per node (the same local rank on the next node).
+    None when there is none (one node; or nodes of unequal sizes that no shift separates)."""
+    world = len(nodes)
+    for k in range(1, world):
+        if all(nodes[r] != nodes[(r + k) % world] for r in range(world)):
+            return k
+    return None
+
+
+def gather_nodes(node: str, group: dist.ProcessGroup) -> list[str]:
+    """Every rank's node, indexed by rank in ``group``. Collective."""
+    nodes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(nodes, node, group=group)
+    return [str(n) for n in nodes]
 
 
 def gather(mine: Holder, copies: list[Copy],
