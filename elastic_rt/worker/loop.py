@@ -161,10 +161,11 @@ def run(
         clip_grad_norm: clip the averaged gradients to this global norm.
         on_step: called after every committed step with a :class:`StepReport`
             (costs one small all-reduce per step for the global loss).
-        peer_copy_every: under FSDP (``limits.max_shard > 1``, no replica), snapshot each
-            rank's shards and copy them to a rank on the next node every this many steps,
-            so a node loss redoes at most this many steps without reading storage (0: off;
-            see ``worker/peer_copies.py``).
+        peer_copy_every: under FSDP (``limits.max_shard > 1``, no replica), and under
+            ``model_parallel`` where a part has no replica on another node, snapshot each
+            rank's shards or part and copy them to a rank on the next node every this many
+            steps, so a node loss redoes at most this many steps without reading storage
+            (0: off; see ``sharded/peer_copies.py``, ``runtime_parallel/copies.py``).
         stragglers: when a rank persistently slower than the others trains a smaller
             share of the same global batch, and when it is evicted
             (``worker/stragglers.py``; replicated data parallelism).

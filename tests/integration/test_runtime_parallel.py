@@ -34,14 +34,15 @@ def _ctx(env: WorkerEnv, layout: Any, number: int) -> Any:
     groups = init_groups(env.store, rank=env.rank, world_size=layout.world_size, layout=layout,
                          prefix=f"/round-{number}/", timeout=TIMEOUT)
     return Context(rank=env.rank, world_size=layout.world_size, local_rank=env.rank,
-                   node_id="n", round=number, token=number, layout=layout, groups=groups)
+                   node_id=f"n{env.rank}", round=number, token=number, layout=layout, groups=groups)
 
 
 def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
             options: dict[str, Any], micro_batch_size: int | None,
-            checkpoint_url: str | None = None) -> dict[str, Any]:
+            checkpoint_url: str | None = None, copy_every: int = 1) -> dict[str, Any]:
     """Train each ``(layout, steps)`` in turn, saving a checkpoint at the end of each when
-    ``checkpoint_url`` is given; the parameters at the end, whole, by name."""
+    ``checkpoint_url`` is given; the parameters at the end, whole, by name. Each rank is a
+    node of its own: parts without a replica are copied to the next rank (``copy_every``)."""
     from elastic_rt.checkpoint import Checkpointer
     from elastic_rt.layout import Layout
     from elastic_rt.process_groups import destroy_groups
@@ -54,7 +55,8 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
     sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0,
                              micro_batch_size=micro_batch_size)
     progress = Progress()
-    trainer = RuntimeParallelTrainer(lambda layout: dm.describe(), ModelParallel(**options))
+    trainer = RuntimeParallelTrainer(lambda layout: dm.describe(), ModelParallel(**options),
+                                     copy_every=copy_every)
     checkpoint = Checkpointer(checkpoint_url, async_save=False) if checkpoint_url else None
     sources = []
     for number, (spec, steps) in enumerate(rounds):
@@ -127,12 +129,23 @@ def test_a_new_cut_takes_the_state_by_name_from_the_survivors() -> None:
 def test_a_lost_part_comes_back_from_the_checkpoint_loaded_by_name_into_the_new_cut(
         tmp_path: Any) -> None:
     # pp2 x tp2 saved at step 3; the next round loses rank 3 (stage 1's second tp shard),
-    # so pp3 loads the checkpoint: tensor shards joined and re-cut by name.
+    # and no peer copies are kept, so pp3 loads the checkpoint: tensor shards joined and
+    # re-cut by name.
     rounds = [({"dp": 1, "pp": 2, "tp": 2}, 3), ({"dp": 1, "pp": 3}, 2)]
-    results = run_workers(_rounds, 4, args=(rounds, {}, None, f"file://{tmp_path}/ckpt"),
+    results = run_workers(_rounds, 4, args=(rounds, {}, None, f"file://{tmp_path}/ckpt", 0),
                           timeout_s=60)
     _check(results, 5)
     assert [r["sources"][1].split()[0] for r in results[:3]] == ["checkpoint"] * 3
+
+
+def test_a_lost_tensor_parallel_part_comes_back_from_its_peer_copy_into_a_new_cut() -> None:
+    # The same loss with copies every step: rank 0 holds rank 3's copy of step 2 (made at
+    # the start of step 3), so pp3 takes every part of step 2 by name without storage and
+    # does step 3 again.
+    rounds = [({"dp": 1, "pp": 2, "tp": 2}, 3), ({"dp": 1, "pp": 3}, 1)]
+    results = run_workers(_rounds, 4, args=(rounds, {}, None), timeout_s=60)
+    _check(results, 3)
+    assert [r["sources"][1] for r in results[:3]] == ["peer copies"] * 3
 
 
 def _bad_loss_step(env: WorkerEnv) -> str:

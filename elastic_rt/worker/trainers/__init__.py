@@ -14,7 +14,7 @@ Each family restores from the first source that has the state::
                                                            peer_copies | checkpoint | init
     model_parallel/  an object owning its step, pp x tp    part_broadcast | checkpoint | init
     runtime_parallel/ a ModelDescription the runtime cuts    by_name from survivors |
-                     into pp stages, tp plans, dp replicas checkpoint | init
+                     into pp stages, tp plans, dp replicas of copies | checkpoint | init
 
 The replicated and sharded families train through ``runtime_step`` (the runtime's step).
 Shared by all three: ``protocol`` (what the loop sees), ``meta`` (:class:`TrainMeta`, the one
@@ -52,10 +52,10 @@ def choose(*, build: BuildFn, step: StepFn | None, limits: ModelLimits, options:
     """The trainer for ``run``'s arguments: the one place the family is decided.
 
     Raises:
-        ConfigError: ``peer_copy_every`` is negative (sharded family).
+        ConfigError: ``peer_copy_every`` is negative (sharded and runtime-parallel families).
     """
     if model_parallel is not None:
-        return RuntimeParallelTrainer(build, model_parallel)
+        return RuntimeParallelTrainer(build, model_parallel, copy_every=peer_copy_every)
     if step is None:
         return OwnedStepTrainer(build)
     if limits.max_shard > 1:

@@ -134,6 +134,22 @@ def plan_moves(sources: dict[int, dict[str, Any]],
     return plan
 
 
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """One state a source can send from: its live state, or a snapshot of a part."""
+
+    described: dict[str, Any]
+    """An :class:`Entry` per tensor, the value itself otherwise (:func:`describe`)."""
+    tensors: dict[str, torch.Tensor]
+    """Each tensor's local part (a DTensor's local shard), by key."""
+
+
+def offer_of(flat: dict[str, Any]) -> Offer:
+    """A flat live state (DTensors where it is tensor-parallel) as an :class:`Offer`."""
+    return Offer(describe(flat), {key: _local(value) for key, value in flat.items()
+                                  if isinstance(value, torch.Tensor)})
+
+
 def fetch_by_name(held: dict[str, Any] | None, targets: dict[str, Any],
                   group: dist.ProcessGroup) -> None:
     """Fill ``targets`` (this rank's new state, flat) from the sources' ``held`` state.
@@ -141,19 +157,33 @@ def fetch_by_name(held: dict[str, Any] | None, targets: dict[str, Any],
     Collective over ``group``; ``held`` is None on ranks that are not sources. Tensors are
     written in place (a DTensor's local shard); other values are replaced in ``targets``.
     """
+    fetch_offers([] if held is None else [offer_of(held)], targets, group)
+
+
+def fetch_offers(offers: list[Offer], targets: dict[str, Any],
+                 group: dist.ProcessGroup) -> None:
+    """:func:`fetch_by_name` where a rank may send from several states (its own part and
+    the copy of a neighbour's, ``copies``) or none (``offers`` empty). Collective."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     entries: list[Any] = [None] * world
-    dist.all_gather_object(entries, (None if held is None else describe(held),
-                                     describe(targets)), group=group)
-    sources = {r: described for r, (described, _) in enumerate(entries) if described is not None}
+    dist.all_gather_object(entries, ([o.described for o in offers], describe(targets)),
+                           group=group)
+    # every offer is one source of the plan, numbered rank by rank: offer i of rank r is
+    # source r * slots + i (the lowest holder of a whole tensor stays the lowest rank)
+    slots = max(1, *(len(offered) for offered, _ in entries))
+    sources = {r * slots + i: described for r, (offered, _) in enumerate(entries)
+               for i, described in enumerate(offered)}
     plan = plan_moves(sources, [want for _, want in entries])
+
+    def moves(dest: int, src: int) -> list[tuple[Move, int]]:
+        return [(move, slot) for slot in range(slots)
+                for move in plan.get((dest, src * slots + slot), [])]
     for key in [k for k, v in targets.items() if not isinstance(v, torch.Tensor)]:
         targets[key] = _value_of(key, sources)
     with torch.no_grad():
-        mine = held or {}  # a rank that is no source sends nothing
-        send = [_pack([_region(mine[key], box) for key, _, box in plan.get((dest, rank), [])])
-                for dest in range(world)]
-        sizes = [sum(_nbytes(box, piece.dtype) for _, piece, box in plan.get((rank, src), []))
+        send = [_pack([_offered(offers[slot], key, box) for (key, _, box), slot in
+                       moves(dest, rank)]) for dest in range(world)]
+        sizes = [sum(_nbytes(box, piece.dtype) for (_, piece, box), _ in moves(rank, src))
                  for src in range(world)]
         received = torch.empty(sum(sizes), dtype=torch.uint8)
         work = dist.all_to_all_single(received, torch.cat(send), output_split_sizes=sizes,
@@ -163,18 +193,26 @@ def fetch_by_name(held: dict[str, Any] | None, targets: dict[str, Any],
         abort.wait(work.get_future())
         for src, chunk in enumerate(torch.split(received, sizes)):
             offset = 0
-            for key, piece, box in plan.get((rank, src), []):
+            for (key, piece, box), _ in moves(rank, src):
                 size = _nbytes(box, piece.dtype)
                 data = chunk[offset:offset + size].clone().view(piece.dtype)
                 _region(targets[key], box).copy_(data.reshape(_extent(box)))
                 offset += size
 
 
+def _offered(offer: Offer, key: str, box: Box) -> torch.Tensor:
+    """The view of an offer's tensor ``key`` that holds ``box``."""
+    return _within(offer.tensors[key], offer.described[key].box(), box)
+
+
 def _region(value: torch.Tensor, box: Box) -> torch.Tensor:
     """The view of ``value``'s own tensor (a DTensor's local shard) that holds ``box``."""
-    entry, local = entry_of(value), _local(value)
-    start = entry.box()
-    return local[tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(box, start))]
+    return _within(_local(value), entry_of(value).box(), box)
+
+
+def _within(local: torch.Tensor, held: Box, box: Box) -> torch.Tensor:
+    """The view of ``local``, which holds the part ``held`` of the whole, that holds ``box``."""
+    return local[tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(box, held))]
 
 
 def _extent(box: Box) -> tuple[int, ...]:

@@ -15,9 +15,12 @@ and its state comes, in this order of preference, from
 
 1. the ranks that hold every ``(pp, tp)`` part of one cut cleanly at one step, whatever
    the new cut (``by_name``: each tensor to its new owner): 0 steps lost;
-2. the newest committed checkpoint, loaded by name into the new cut (steps after it are
+2. the same, a lost part taken from the snapshot its ring holder keeps in host memory
+   (``copies``, every ``copy_every`` steps where a part has no replica on another node;
+   ``copy_sources`` chooses): at most ``copy_every`` steps done again, no storage read;
+3. the newest committed checkpoint, loaded by name into the new cut (steps after it are
    done again);
-3. the description as built (a fresh start only; ``build`` must be seeded, so that every
+4. the description as built (a fresh start only; ``build`` must be seeded, so that every
    rank builds the same model).
 
 A step is atomic: the pipeline's sends and receives, the loss broadcast and the gradient
@@ -48,18 +51,20 @@ from elastic_rt.worker.trainers.checkpoint_restore import (
     named_state,
 )
 from elastic_rt.worker.trainers.meta import TrainMeta
-from elastic_rt.worker.trainers.model_parallel.part_broadcast import (
-    Holder,
-    Part,
-    gather_holders,
-)
+from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder
 from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
-from elastic_rt.worker.trainers.runtime_parallel.by_name import fetch_by_name, flatten
+from elastic_rt.worker.trainers.runtime_parallel.by_name import (
+    Offer,
+    fetch_offers,
+    flatten,
+    offer_of,
+)
+from elastic_rt.worker.trainers.runtime_parallel.copies import PartCopies, named_part
+from elastic_rt.worker.trainers.runtime_parallel.copy_sources import Choice, gather, pick_sources
 from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
 from elastic_rt.worker.trainers.runtime_parallel.grads import sum_gradients
 from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel, Pipeline
-from elastic_rt.worker.trainers.runtime_parallel.sources import pick_cut_sources
 from elastic_rt.worker.trainers.runtime_parallel.stages import (
     RankModules,
     device_of,
@@ -77,8 +82,10 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 class RuntimeParallelTrainer:
     """This rank's stages of a described model, rebuilt and restored every round."""
 
-    def __init__(self, build: BuildFn, options: ModelParallel) -> None:
+    def __init__(self, build: BuildFn, options: ModelParallel, *, copy_every: int = 1) -> None:
         self.build, self.options = build, options
+        self.copies = PartCopies(copy_every)
+        self.sampler: ElasticSampler | None = None
         self.description: ModelDescription | None = None
         self.modules: RankModules | None = None
         self.state: TrainState | None = None
@@ -95,15 +102,17 @@ class RuntimeParallelTrainer:
         """Nothing ahead of the round: the tensor split takes the round's mesh."""
 
     def restore(self, at: Restoring) -> Restored:
-        kept = (self.description, self.modules, self.state, self.held, at.progress.step,
-                at.progress.is_dirty, at.sampler.state_dict())
+        self.copies.stop()
+        kept = (self.description, self.modules, self.state, self.held, self.copies.snapshots,
+                at.progress.step, at.progress.is_dirty, at.sampler.state_dict())
         try:
             return Restored(self._restore(at))
         except BaseException:
             # A peer died during the restore: keep what this rank held, so that the next
             # round can still restore from it (a fresh build holds nothing).
-            (self.description, self.modules, self.state, self.held, at.progress.step,
-             at.progress.is_dirty, sampler) = kept
+            self.copies.stop()  # made for the new state, which is dropped
+            (self.description, self.modules, self.state, self.held, self.copies.snapshots,
+             at.progress.step, at.progress.is_dirty, sampler) = kept
             at.sampler.load_state_dict(sampler)
             raise
 
@@ -112,35 +121,61 @@ class RuntimeParallelTrainer:
         old, held = self.state, self.held
         mine = Holder.of(step=progress.step, is_clean=not progress.is_dirty,
                          layout=held[0] if held else None, rank=held[1] if held else None)
-        holders = gather_holders(mine, ctx.groups.world)
+        holders, copies = gather(mine, self.copies.held(), ctx.groups.world)
         progress.is_dirty = True  # until the new state holds the state of `step`
+        self.sampler = at.sampler
         state = self._build(ctx)
-        found = pick_cut_sources(holders)
-        if found is None:
+        choice = pick_sources(holders, copies)
+        last = max(h.last_step for h in holders)
+        if choice is None:
             source = from_checkpoint_or_init(at, lambda: load_checkpoint_into(state, at),
-                                             state=state, last=max(h.last_step for h in holders))
+                                             state=state, last=last)
         else:
-            source = self._from_survivors(at, old, state, *found)
+            source = self._from_survivors(at, old, state, choice)
+            if last > choice.step:
+                logger.warning("restored from %s of step %d; steps %d-%d are done again",
+                               source, choice.step, choice.step + 1, last)
+        self.copies.clear()  # taken again under the new cut from the next step
         self._start_pipeline(ctx)
+        self.copies.start(ctx)
         return source
 
     def _from_survivors(self, at: Restoring, old: TrainState | None, state: TrainState,
-                        step: int, sources: dict[Part, int]) -> str:
+                        choice: Choice) -> str:
         """Every tensor of ``state`` by name from the parts' sources, which read ``old``
-        (their state of the previous round); the record beside it from the first."""
+        (their state of the previous round) or a snapshot; the record beside it from the
+        first."""
         ctx = at.ctx
-        is_source = ctx.rank in sources.values()
         initialize_optimizer_state(state.optimizer)  # the transfer writes into its tensors
         flat = flatten(named_state(state))
-        held = flatten(named_state(old)) if is_source and old is not None else None
-        fetch_by_name(held, flat, ctx.groups.world)
+        offers, record = self._offers(at, old, choice)
+        fetch_offers(offers, flat, ctx.groups.world)
         _load(state, flat)
-        first = min(sources.values())
-        meta = broadcast_state(at.meta(old, step=step).encode() if ctx.rank == first else None,
-                               first, ctx.groups.world)
+        first = min(choice.ranks.values())
+        meta, is_fresh = broadcast_state(record if ctx.rank == first else None, first,
+                                         ctx.groups.world)
+        if is_fresh:  # the sources' optimizer had taken no step: neither has this one
+            state.optimizer.state.clear()
         at.take(TrainMeta.decode(meta), state)
-        at.progress.step, at.progress.is_dirty = step, False
-        return "survivors"
+        at.progress.step, at.progress.is_dirty = choice.step, False
+        return "survivors" if len(choice.live) == len(choice.ranks) else "peer copies"
+
+    def _offers(self, at: Restoring, old: TrainState | None,
+                choice: Choice) -> tuple[list[Offer], tuple[dict[str, Any], bool] | None]:
+        """What this rank sends from (its live state, snapshots), and the record beside
+        with whether the optimizer had taken no step (``copies.named_part``)."""
+        offers: list[Offer] = []
+        record: tuple[dict[str, Any], bool] | None = None
+        mine = sorted(part for part, rank in choice.ranks.items() if rank == at.ctx.rank)
+        if old is not None and any(part in choice.live for part in mine):
+            flat, is_fresh = named_part(old)
+            offers.append(offer_of(flat))  # a rank lives one part
+            record = at.meta(old, step=choice.step).encode(), is_fresh
+        for part in (p for p in mine if p not in choice.live):
+            offer, meta, is_fresh = self.copies.offer(choice.step, part)
+            offers.append(offer)
+            record = record or (meta, is_fresh)
+        return offers, record
 
     def _build(self, ctx: Context) -> TrainState:
         """The description for the round's layout, cut, tensor-split, with its optimizer."""
@@ -178,6 +213,8 @@ class RuntimeParallelTrainer:
               step: int) -> tuple[float, float]:
         assert self.state is not None and self.modules is not None
         self._losses, self._global_len = [], global_len
+        assert self.sampler is not None
+        self.copies.refresh(ctx, step - 1, self.state, self.sampler)  # before it changes
         self.state.optimizer.zero_grad(set_to_none=True)
         samples = sum(size for _, size in micro_batches)
         device = device_of(self.modules)
@@ -222,10 +259,17 @@ class RuntimeParallelTrainer:
         return TrainMeta.capture(step=step, sampler=sampler, state=self.state)
 
     def hand_over(self, ctx: Context, step: int) -> None:
-        """Nothing: a leaver's parts come from their replicas, else from the checkpoint."""
+        """Copies of every part as of ``step`` (just committed), where copies are kept: a
+        leaver's part then comes from its ring holder with nothing redone. Collective; the
+        copies then stop for the round. Else its parts come from replicas or the checkpoint.
+        """
+        if self.state is not None and self.sampler is not None:
+            self.copies.refresh(ctx, step, self.state, self.sampler, force=True)
+        self.copies.stop()
 
     def release(self) -> None:
         """The stages and schedules hold the round's pp group: they go with it."""
+        self.copies.stop()
         self.pipeline = None
 
 

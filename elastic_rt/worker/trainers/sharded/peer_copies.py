@@ -28,6 +28,9 @@ whether the round is broken.
 A copy group whose exchange did not end cleanly is abandoned, not destroyed
 (``process_groups.abandon_side_group``), like every group of a failed round.
 
+The runtime-parallel family sends its pipeline stages and tensor-parallel parts through the
+same :class:`PeerCopies` (``runtime_parallel/copies.py``): a piece is any nest of tensors.
+
 Memory per rank: two send buffers (own pieces: the newest completed snapshot's and the next
 one's, or the one before) and two of the neighbour's copies (the newest completed, and the one
 before or the one arriving): four pieces, ``4 / N`` of the state on each of N ranks.

@@ -1,0 +1,150 @@
+"""Peer copies of pipeline stages and tensor-parallel parts in host memory.
+
+A part (a ``(pp, tp)`` cut of the model) with no replica on another node is lost with its
+node. Like the FSDP family (``sharded/peer_copies``, whose exchange this reuses), every
+``every`` steps each rank snapshots its own part by name (local tensors, how each is cut,
+and the :class:`TrainMeta` of that step) and sends a copy to its ring holder, the nearest
+rank after it such that every rank's holder is on another node (``copy_sources.ring_shift``;
+the same local rank on the next node when nodes are equal), in the background on a side
+group. A snapshot counts once its
+exchange completed; the newest completed one and the one before it are kept. A restore then
+finds each lost part in its holder's copy (``copy_sources``) and moves it by name like a
+live part (``by_name.fetch_offers``): at most ``every`` steps are done again, and nothing is
+read from storage unless a part and its copy are lost together.
+
+Memory per rank: four parts' worth of host memory (two snapshots of its own part, two copies
+of its neighbour's), as under FSDP (``sharded/peer_copies``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from elastic_rt.errors import ConfigError
+from elastic_rt.process_groups import group_timeout, side_group
+from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker.context import Context
+from elastic_rt.worker.train_state import TrainState
+from elastic_rt.worker.trainers.checkpoint_restore import named_state
+from elastic_rt.worker.trainers.meta import TrainMeta
+from elastic_rt.worker.trainers.model_parallel.part_broadcast import Part
+from elastic_rt.worker.trainers.runtime_parallel.by_name import Offer, flatten, offer_of
+from elastic_rt.worker.trainers.runtime_parallel.copy_sources import (
+    Copy,
+    gather_nodes,
+    needs_copies,
+    ring_shift,
+)
+from elastic_rt.worker.trainers.runtime_step import initialize_optimizer_state
+from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring, Snapshot
+
+logger = logging.getLogger(__name__)
+
+
+def _part(ctx: Context, rank: int) -> Part:
+    coords = ctx.layout.coords(rank)
+    return coords.pp, coords.tp
+
+
+def named_part(state: TrainState) -> tuple[dict[str, Any], bool]:
+    """The state by name, flat, and whether its optimizer has taken no step yet.
+
+    torch's ``get_state_dict`` fills an empty optimizer with a real step at lr 0, which
+    counts in Adam's bias correction: the state would no longer train like the reference.
+    Here an empty optimizer's tensors are made without hooks (``initialize_optimizer_state``)
+    and dropped again; the flag tells a restore to drop them too.
+    """
+    is_fresh = initialize_optimizer_state(state.optimizer)
+    flat = flatten(named_state(state))
+    if is_fresh:
+        state.optimizer.state.clear()
+    return flat, is_fresh
+
+
+def _piece(state: TrainState, cut: Part, part: Part) -> dict[str, Any]:
+    """What a snapshot holds: the part by name, as local tensors and how each is cut."""
+    flat, is_fresh = named_part(state)
+    offer = offer_of(flat)
+    return {"cut": cut, "part": part, "described": offer.described, "tensors": offer.tensors,
+            "is_fresh": is_fresh}
+
+
+class PartCopies:
+    """This rank's snapshots of its part and copies of its ring neighbour's, across rounds.
+
+    Used from the training thread only. The snapshots of the round before the last restore
+    stay until the restore that reads them has moved them (:meth:`clear`).
+    """
+
+    def __init__(self, every: int) -> None:
+        if every < 0:
+            raise ConfigError(f"peer_copy_every={every} is negative",
+                              "Pass 0 (no peer copies) or a number of steps >= 1.")
+        self.every = every
+        self.round: PeerCopies | None = None  # this round's exchange
+        self.snapshots: list[Snapshot] = []  # completed ones, once the exchange stopped
+
+    def start(self, ctx: Context) -> None:
+        """This round's ring, where one node's loss could take a part (collective)."""
+        if not self.every:
+            return
+        nodes = gather_nodes(ctx.node_id, ctx.groups.world)  # nodes may differ in size
+        shift = ring_shift(nodes)
+        if shift is None or not needs_copies(ctx.layout, nodes):
+            if shift is None and needs_copies(ctx.layout, nodes) and ctx.rank == 0:
+                logger.warning("no ring puts every rank's copy on another node (nodes %s): "
+                               "parts without a replica come back from the checkpoint", nodes)
+            return
+        group = side_group(ctx.groups.world, group_timeout(ctx.groups.dp))
+        assert group is not None  # the round's groups exist
+        holder, source = (ctx.rank + shift) % ctx.world_size, (ctx.rank - shift) % ctx.world_size
+        parts = ctx.layout.pp * ctx.layout.tp
+        (opp, otp), (spp, stp) = _part(ctx, ctx.rank), _part(ctx, source)
+        ring = Ring(to=holder, source=source, count=parts, own_index=opp * ctx.layout.tp + otp,
+                    peer_index=spp * ctx.layout.tp + stp)
+        self.round = PeerCopies(group, ring, every=self.every)
+
+    def refresh(self, ctx: Context, committed: int, state: TrainState,
+                sampler: ElasticSampler, *, force: bool = False) -> None:
+        """Snapshot the part at ``committed`` and send it along the ring, when due (or
+        ``force``). Call it before the step changes the state.
+
+        Raises:
+            RoundAbandoned: the round's notice came while the previous exchange was in flight.
+        """
+        copies = self.round
+        if copies is None or not (force or copies.is_due(committed)):
+            return
+        cut = (ctx.layout.pp, ctx.layout.tp)
+        meta = TrainMeta.capture(step=committed, sampler=sampler, state=state)
+        copies.refresh(committed, _piece(state, cut, _part(ctx, ctx.rank)), meta.encode())
+
+    def stop(self) -> None:
+        """End this round's exchange; keep the snapshots whose exchange completed."""
+        if self.round is not None:
+            self.snapshots = self.round.close()
+            self.round = None
+
+    def clear(self) -> None:
+        """Drop the snapshots (the state is cut anew; they are taken again)."""
+        self.snapshots = []
+
+    def held(self) -> list[Copy]:
+        """The parts of the completed snapshots, for the choice of sources."""
+        return [Copy(s.step, piece["cut"], piece["part"]) for s in self.snapshots
+                for piece in (s.own, s.peer)]
+
+    def offer(self, step: int, part: Part) -> tuple[Offer, dict[str, Any], bool]:
+        """The snapshot of ``part`` at ``step`` to send from, its record, and whether its
+        optimizer had taken no step (:func:`named_part`)."""
+        for snapshot in self.snapshots:
+            for piece in (snapshot.own, snapshot.peer):
+                if snapshot.step == step and piece["part"] == part:
+                    return (Offer(piece["described"], piece["tensors"]), snapshot.meta,
+                            piece["is_fresh"])
+        raise LookupError(f"no snapshot of part {part} at step {step}")  # chosen from held()
+
+    def host_bytes(self) -> int:
+        """Host memory this round's copies take (0 without copies)."""
+        return 0 if self.round is None else self.round.host_bytes()
