@@ -3,18 +3,23 @@
 Three one-worker nodes (one intra-op thread each, as torchrun gives several workers)
 train a model whose step is mostly compute, sharing the machine's cores. From step
 ``LIMIT_AT`` node c's worker runs in a cgroup with a CPU quota of half what it had, so
-every step waits for it. The runtime measures each rank's own compute time per window,
-moves samples from c to the others (the same global batch, split unevenly), and the
-job's steps per second come back to at least ``PACE_BACK`` of what they were before
-the limit, and ``GAIN`` times what they were before the first rebalancing. The final
-parameters are those of an uninterrupted one-node run (float64, 1e-5).
+every step waits for it. The runtime measures each rank's busy time per step (its wall
+time less its waits on peers), fits it as a fixed part plus a part per sample, moves
+samples from c to the others (the same global batch, split unevenly) until the predicted
+busy times are equal, and the job's steps per second come back to at least
+``PACE_BACK`` of what they were before the limit, and ``GAIN`` times what they were
+before the first rebalancing. The final parameters are those of an uninterrupted
+one-node run (float64, 1e-5).
 
-What stays lost is c's work that a smaller share does not shorten: its part of each
-collective, its data loading and its optimizer step, at half speed. Held to a quarter
-core instead (a third of its speed), the job ran at 0.39-0.45 of its pace before the
-first rebalancing and at 0.81-0.96 after it. A model whose step is mostly that fixed work (the first
-version of this test: 270k parameters, 32 samples a rank, two intra-op threads a worker
-on two cores) gets back only about half its pace, whatever the shares.
+What stays lost is c's work that the rule cannot see as c's: its own part of each
+collective, which gloo's threads do at half speed while c waits in the collective, so it
+counts as waiting. Before the rule fitted a fixed part (it equalized forward and backward
+times only), c's data loading and optimizer step stayed slow on every step too. With that
+earlier rule: held to a quarter core instead (a third of its speed), the job ran at
+0.39-0.45 of its pace before the first rebalancing and at 0.81-0.96 after it; a model
+whose step is mostly fixed work (the first version of this test: 270k parameters, 32
+samples a rank, two intra-op threads a worker on two cores) got back only about half its
+pace. Neither has been measured again with the fitted rule.
 """
 
 from __future__ import annotations
@@ -43,10 +48,15 @@ Half a core flat would slow c by a quarter only on two cores (0.87-0.94 of the p
 without any rebalancing)."""
 PACE_BACK = 0.65
 """Of the steps per second before the limit, after rebalancing. Measured (median steps,
-this machine): 0.71-0.93 after (0.71 in a CI-like clean-clone run), 0.43-0.61 in the
-window before the first rebalancing. The issue asks 0.85, which this does not reach
-every time: the rule equalizes compute time, and c's work outside it (its part of each
-collective, its data loading and optimizer step, at half speed) stays on every step."""
+this machine): with the rule that equalized compute times only, 0.71-0.93 (0.71 in a
+CI-like clean-clone run). With busy times fitted (2026-12-06, alternating with that rule,
+two cores shared with other engineers' soaks and benchmarks): at load 1.7-4.9, 0.90,
+0.86, 0.71, 0.81 (the old rule beside it: 0.88, 0.76, 1.09, 0.58); the 0.71 is the run
+whose node was slowed mid-window, which the line's latest-half-window fit now covers and
+which was not measured again at that load. At load 6-16 every figure of both rules ran
+from 0.58 to 1.45: c's third of a core no longer binds when every process gets less, and
+the test then fails on either rule (c not the slowest share, or the gain). The issue asks
+0.85; no quiet run since has shown the bound could be raised."""
 GAIN = 1.15
 """Pace after rebalancing over the pace in the window before it (measured 1.27-1.95)."""
 
