@@ -155,6 +155,20 @@ def test_a_cut_tensor_needs_every_piece_and_a_whole_one_its_lowest_holder() -> N
         pieces_of("v", {0: {"w": half}})
 
 
+def test_fsdp_pieces_of_tensor_parallel_pieces_are_boxes_and_replicas_give_one() -> None:
+    # fsdp2 x tp2 of a (8, 4) column-parallel weight: tp cuts rows 0-3 | 4-7, fsdp each in two
+    boxes = [((0, 2), (0, 4)), ((2, 4), (0, 4)), ((4, 6), (0, 4)), ((6, 8), (0, 4))]
+    pieces = [Entry((8, 4), torch.float32, held=box) for box in boxes]
+    # HSDP: ranks 4-7 hold the same boxes as ranks 0-3; the lowest holder of each is read
+    held = {rank: {"w": pieces[rank % 4]} for rank in (7, 2, 5, 0, 1, 3, 4, 6)}
+    assert pieces_of("w", held) == [(rank, pieces[rank]) for rank in range(4)]
+    with pytest.raises(ElasticError, match="do not cover"):
+        pieces_of("w", {0: {"w": pieces[0]}, 4: {"w": pieces[0]}, 2: {"w": pieces[2]}})
+    # a held box is moved like a tp piece: a row-parallel receiver takes its columns of it
+    target = Entry((8, 4), torch.float32, 1, 1, 2)
+    assert overlap(pieces[1].box(), target.box()) == ((2, 4), (2, 4))
+
+
 def test_each_receiver_gets_exactly_the_part_of_each_piece_it_holds() -> None:
     rows = [Entry((5, 4), torch.float32, 0, i, 2) for i in range(2)]  # rows 0-2, 3-4
     cols = [Entry((5, 4), torch.float32, 1, i, 2) for i in range(2)]  # columns 0-1, 2-3
