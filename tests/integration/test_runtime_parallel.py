@@ -39,7 +39,7 @@ def _ctx(env: WorkerEnv, layout: Any, number: int) -> Any:
 
 def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
             options: dict[str, Any], micro_batch_size: int | None,
-            checkpoint_url: str | None = None) -> dict[str, Any]:
+            checkpoint_url: str | None = None, clip: float | None = None) -> dict[str, Any]:
     """Train each ``(layout, steps)`` in turn, saving a checkpoint at the end of each when
     ``checkpoint_url`` is given; the parameters at the end, whole, by name."""
     from elastic_rt.checkpoint import Checkpointer
@@ -54,7 +54,8 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
     sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0,
                              micro_batch_size=micro_batch_size)
     progress = Progress()
-    trainer = RuntimeParallelTrainer(lambda layout: dm.describe(), ModelParallel(**options))
+    trainer = RuntimeParallelTrainer(lambda layout: dm.describe(), ModelParallel(**options),
+                                     clip_grad_norm=clip)
     checkpoint = Checkpointer(checkpoint_url, async_save=False) if checkpoint_url else None
     sources = []
     for number, (spec, steps) in enumerate(rounds):
@@ -98,9 +99,10 @@ def _moments(trainer: Any) -> dict[str, torch.Tensor]:
             if key.startswith("state.") and key.endswith(".exp_avg")}
 
 
-def _check(results: list[dict[str, Any]], steps: int) -> None:
+def _check(results: list[dict[str, Any]], steps: int, clip: float | None = None) -> None:
     """Parameters and AdamW moments (the gradients' scale) equal one process's at 1e-5."""
-    want, want_moments = dm.reference_state(steps, samples=SAMPLES, global_batch=GLOBAL_BATCH)
+    want, want_moments = dm.reference_state(steps, samples=SAMPLES, global_batch=GLOBAL_BATCH,
+                                            clip=clip)
     got: dict[str, torch.Tensor] = {}
     moments: dict[str, torch.Tensor] = {}
     for result in results:

@@ -58,3 +58,12 @@ def test_a_checkpoint_of_one_cut_loads_into_a_sharded_or_unsharded_other(
                           timeout_s=120)
     _check(results, 5)
     assert [r["sources"][1].split()[0] for r in results[:3]] == ["checkpoint"] * 3
+
+
+@pytest.mark.parametrize("layout", [
+    {"dp": 2, "tp": 2, "shard": 2}, {"dp": 2, "pp": 2, "shard": 2}, {"dp": 2, "pp": 2},
+], ids=["fsdp2xtp2", "pp2xfsdp2", "pp2xdp2"])
+def test_clipping_uses_the_whole_models_norm_in_every_layout(layout: dict[str, int]) -> None:
+    # 0.05 is below every step's gradient norm here: every step clips
+    results = run_workers(_rounds, 4, args=([(layout, 3)], {}, None, None, 0.05), timeout_s=90)
+    _check(results, 3, clip=0.05)

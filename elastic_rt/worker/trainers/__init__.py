@@ -55,7 +55,8 @@ def choose(*, build: BuildFn, step: StepFn | None, limits: ModelLimits, options:
         ConfigError: ``peer_copy_every`` is negative (sharded family).
     """
     if model_parallel is not None:
-        return RuntimeParallelTrainer(build, model_parallel)
+        return RuntimeParallelTrainer(build, model_parallel,
+                                      clip_grad_norm=options.clip_grad_norm)
     if step is None:
         return OwnedStepTrainer(build)
     if limits.max_shard > 1:

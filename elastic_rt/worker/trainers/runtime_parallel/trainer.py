@@ -54,6 +54,7 @@ from elastic_rt.worker.trainers.model_parallel.part_broadcast import Part, gathe
 from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 from elastic_rt.worker.trainers.runtime_parallel.by_name import fetch_by_name, flatten
+from elastic_rt.worker.trainers.runtime_parallel.clipping import clip_grad_norm
 from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
 from elastic_rt.worker.trainers.runtime_parallel.grads import sum_gradients
 from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel, Pipeline
@@ -76,8 +77,9 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 class RuntimeParallelTrainer:
     """This rank's stages of a described model, rebuilt and restored every round."""
 
-    def __init__(self, build: BuildFn, options: ModelParallel) -> None:
-        self.build, self.options = build, options
+    def __init__(self, build: BuildFn, options: ModelParallel, *,
+                 clip_grad_norm: float | None = None) -> None:
+        self.build, self.options, self.clip_grad_norm = build, options, clip_grad_norm
         self.description: ModelDescription | None = None
         self.modules: RankModules | None = None
         self.state: TrainState | None = None
@@ -204,6 +206,9 @@ class RuntimeParallelTrainer:
         loss_sum = self._loss_sum(ctx)
         if ctx.layout.shard == 1:  # else FSDP reduced them in backward
             sum_gradients(local_params(self.modules), ctx.groups.dp)
+        if self.clip_grad_norm is not None:
+            clip_grad_norm(local_params(self.modules), self.clip_grad_norm, ctx.layout,
+                           ctx.groups.world)
         self.state.optimizer.step()  # after every collective of the step: it is atomic
         return (loss_sum / samples if samples else math.nan), loss_sum / global_len
 
