@@ -15,6 +15,7 @@ Each family restores from the first source that has the state::
     model_parallel/  an object owning its step, pp x tp    part_broadcast | checkpoint | init
     runtime_parallel/ a ModelDescription the runtime cuts    by_name from survivors |
                      into pp stages, tp plans, dp replicas checkpoint | init
+                     or FSDP / HSDP shards over dp
 
 The replicated and sharded families train through ``runtime_step`` (the runtime's step).
 Shared by all three: ``protocol`` (what the loop sees), ``meta`` (:class:`TrainMeta`, the one
