@@ -210,3 +210,20 @@ def test_run_options_refuse_what_the_family_cannot_train(kwargs: dict[str, Any],
     RunOptions(global_batch_size=8, max_steps=1, is_step_owned=True, is_runtime_parallel=True,
                limits=ModelLimits(max_pp=2, max_shard=4),  # FSDP over dp, with pp and tp
                clip_grad_norm=1.0)
+
+
+def test_each_fsdp_piece_of_a_part_needs_a_holder_and_hsdp_replicas_give_one() -> None:
+    from elastic_rt.layout import Layout
+    from elastic_rt.worker.trainers.runtime_parallel.sharding import holder_of
+    from elastic_rt.worker.trainers.runtime_parallel.sources import pick_cut_sources
+
+    hsdp = Layout(dp=4, tp=2, shard=2)  # rank = dp * 2 + tp; pieces: dp % 2
+    holders = [holder_of(step=5, is_clean=True, layout=hsdp, rank=r) for r in range(8)]
+    assert {h.cut for h in holders} == {(1, 4)}
+    assert pick_cut_sources(holders) == (5, {(0, 0): 0, (0, 1): 1, (0, 2): 2, (0, 3): 3})
+    # ranks 2 and 6 hold the same piece (dp 1 and 3, tp 0): losing both loses it
+    lost = [h if r not in (2, 6) else holder_of(step=-1, is_clean=False, layout=None, rank=None)
+            for r, h in enumerate(holders)]
+    assert pick_cut_sources(lost) is None
+    unsharded = holder_of(step=5, is_clean=True, layout=Layout(dp=2, tp=2), rank=3)
+    assert (unsharded.part, unsharded.cut) == ((0, 1), (1, 2))
