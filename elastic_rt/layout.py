@@ -5,7 +5,8 @@ back. Its ``shard`` degree says how the ``dp`` ranks hold the model's state: 1 k
 replica on each (DDP); ``shard == dp`` shards parameters, gradients and optimizer state over
 all of them (FSDP, ``fsdp4``); in between, consecutive groups of ``shard`` data-parallel ranks
 each hold one sharded copy, replicated across the groups (HSDP, ``hsdp2x2``: 2 replicas of 2
-shards). Sharding is not combined with ``pp`` or ``tp``.
+shards). With ``pp`` or ``tp`` the same holds per ``(pp, tp)`` part: the ``dp`` ranks of one
+part shard it (``pp2xfsdp2``, ``fsdp2xtp2``, ``pp2xhsdp2x2xtp2``), torchtitan's 3-D layout.
 
 Axis order is ``("pp", "dp", "tp")`` with ``tp`` innermost, so the ranks of one tensor
 group are neighbours (usually on one node, where the fastest links are) and the ranks of one
@@ -53,8 +54,7 @@ def _check_positive(name: str, value: int) -> None:
 class Layout:
     """``dp`` data-parallel replicas of a model cut into ``pp`` stages of ``tp`` shards each.
 
-    Invariant: every degree is >= 1; ``world_size == dp * pp * tp``; ``shard`` divides ``dp``
-    and is 1 unless ``pp == tp == 1``.
+    Invariant: every degree is >= 1; ``world_size == dp * pp * tp``; ``shard`` divides ``dp``.
 
     Raises:
         ConfigError: a degree is not a positive integer, or ``shard`` does not fit.
@@ -72,12 +72,6 @@ class Layout:
         if self.dp % self.shard:
             raise ConfigError(f"layout shard={self.shard} does not divide dp={self.dp}",
                               "Pick a shard degree that divides the data-parallel degree.")
-        if self.shard > 1 and (self.pp > 1 or self.tp > 1):
-            raise ConfigError(
-                f"layout shard={self.shard} with pp={self.pp}, tp={self.tp}",
-                "Sharded data parallelism is not combined with pp or tp; set max_shard=1 "
-                "in ModelLimits or do without pipeline and tensor parallelism.",
-            )
 
     @property
     def replicas(self) -> int:
@@ -88,14 +82,27 @@ class Layout:
         """Which of the ``shard`` pieces of the state ``rank`` holds (0 when replicated)."""
         return self.coords(rank).dp % self.shard
 
+    def copies(self, pp: int = 0, tp: int = 0) -> list[list[int]]:
+        """The ``replicas x shard`` grid of the ranks holding the ``(pp, tp)`` part: a row per
+        sharded copy, its ranks in shard order (HSDP's ``("replicate", "shard")`` mesh)."""
+        return [[self.rank_of(pp, r * self.shard + i, tp) for i in range(self.shard)]
+                for r in range(self.replicas)]
+
     def shard_groups(self) -> list[list[int]]:
-        """The ranks of each copy of the state (one sharded replica), in shard order."""
-        return [[self.rank_of(0, r * self.shard + i, 0) for i in range(self.shard)]
-                for r in range(self.replicas)] if self.shard > 1 else []
+        """The ranks of each copy of the state (one sharded replica), in shard order, for
+        every ``(pp, tp)`` part in turn (pp outer); empty when not sharded."""
+        if self.shard == 1:
+            return []
+        return [row for pp in range(self.pp) for tp in range(self.tp)
+                for row in self.copies(pp, tp)]
 
     def replicate_groups(self) -> list[list[int]]:
-        """The ranks holding the same piece of the state, one per replica, per piece."""
-        return [[group[i] for group in self.shard_groups()] for i in range(self.shard)]
+        """The ranks holding the same piece of the state, one per replica, per piece (of
+        every ``(pp, tp)`` part in turn); empty when not sharded."""
+        if self.shard == 1:
+            return []
+        return [[row[i] for row in self.copies(pp, tp)]
+                for pp in range(self.pp) for tp in range(self.tp) for i in range(self.shard)]
 
     @property
     def world_size(self) -> int:
@@ -171,9 +178,10 @@ class Layout:
     def __str__(self) -> str:
         if self.shard == 1:
             return f"dp{self.dp}xpp{self.pp}xtp{self.tp}"
-        if self.replicas == 1:
-            return f"fsdp{self.shard}"
-        return f"hsdp{self.replicas}x{self.shard}"
+        data = f"fsdp{self.shard}" if self.replicas == 1 else f"hsdp{self.replicas}x{self.shard}"
+        # torchtitan's reading order: pipeline outermost, then data, then tensor
+        return "x".join(([f"pp{self.pp}"] if self.pp > 1 else []) + [data]
+                        + ([f"tp{self.tp}"] if self.tp > 1 else []))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -198,7 +206,8 @@ class ModelLimits:
         max_shard: the most data-parallel ranks one copy of the state may be sharded over
             (FSDP2 ``fully_shard``): 1 replicates it (the default); the ranks per node gives
             HSDP (shard within a node, replicate across nodes); at least the largest world,
-            FSDP over every rank. Only without pipeline or tensor parallelism.
+            FSDP over every rank. With pipeline or tensor parallelism it shards each
+            ``(pp, tp)`` part over its data-parallel ranks (the runtime-parallel family).
 
     Raises:
         ConfigError: a limit is not a positive integer, or only one of the memory limits is set.
@@ -243,8 +252,8 @@ def plan_layout(world_size: int, limits: ModelLimits = ModelLimits()) -> Layout:
     """The layout that fills ``world_size`` exactly with the most data parallelism that fits.
 
     Candidates are every ``pp <= max_pp`` and ``tp in tp_options`` whose product divides the
-    world, with ``dp >= min_dp`` and a shard that fits memory; with ``pp == tp == 1``, also
-    every ``shard <= max_shard`` dividing ``dp``. Among them the largest ``dp`` wins (fastest
+    world, with ``dp >= min_dp``, each with every ``shard <= max_shard`` dividing ``dp``
+    (whatever ``pp`` and ``tp``), that fits memory. Among them the largest ``dp`` wins (fastest
     steps), then the smallest ``pp`` (fewer pipeline bubbles), then the smallest ``tp``, then
     the largest ``shard`` (least memory per rank). Deterministic, so all ranks agree.
 
@@ -258,7 +267,7 @@ def plan_layout(world_size: int, limits: ModelLimits = ModelLimits()) -> Layout:
         for tp in sorted(set(limits.tp_options))
         if world_size % (pp * tp) == 0
         and world_size // (pp * tp) >= limits.min_dp
-        for shard in _shard_options(world_size // (pp * tp), pp * tp, limits.max_shard)
+        for shard in _shard_options(world_size // (pp * tp), limits.max_shard)
         if limits.fits_memory(pp, tp, shard)
     ]
     if not candidates:
@@ -272,10 +281,8 @@ def plan_layout(world_size: int, limits: ModelLimits = ModelLimits()) -> Layout:
     return layout
 
 
-def _shard_options(dp: int, model_parallel: int, max_shard: int) -> list[int]:
+def _shard_options(dp: int, max_shard: int) -> list[int]:
     """The shard degrees a ``dp``-wide data-parallel axis can take: divisors up to ``max_shard``."""
-    if model_parallel > 1:
-        return [1]
     return [shard for shard in range(1, min(dp, max_shard) + 1) if dp % shard == 0]
 
 

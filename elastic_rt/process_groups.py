@@ -65,11 +65,13 @@ class Groups:
         dp: the ranks holding replicas of this rank's shard (same ``pp`` and ``tp``).
         pp: the pipeline stages of this rank's replica (same ``dp`` and ``tp``).
         tp: the ranks sharing this rank's stage by tensor split (same ``pp`` and ``dp``).
-        mesh: a ``("pp", "dp", "tp")`` mesh over the same groups, for DTensor.
+        mesh: a ``("pp", "dp", "tp")`` mesh over the same groups, for DTensor; for HSDP
+            with pp or tp, ``("pp", "replicate", "shard", "tp")`` (dp split in two).
         backend: torch's name: ``noticed_gloo.BACKEND`` (gloo), or ``"cpu:gloo,cuda:nccl"``
             (mixed).
         shard_mesh: the mesh ``fully_shard`` shards over when ``layout.shard > 1``: one
-            ``"shard"`` axis (FSDP), or ``("replicate", "shard")`` (HSDP); else None.
+            ``"shard"`` axis (FSDP), or ``("replicate", "shard")`` (HSDP); else None. With
+            pp or tp it is a slice of ``mesh`` (FSDP2 needs one root for both).
     """
 
     layout: Layout
@@ -171,9 +173,36 @@ def _create(store: dist.Store, rank: int, layout: Layout, prefix: str, timeout: 
     )
     # WORLD is Optional in torch's types; init_process_group has just set it.
     world = cast(dist.ProcessGroup, dist.group.WORLD)
-    shard_mesh = _shard_mesh(layout, rank, mine["dp"], timeout, backend)
+    shard_mesh: DeviceMesh | None
+    if layout.shard > 1 and layout.pp * layout.tp > 1:
+        mesh, shard_mesh = _model_parallel_shard_mesh(layout, rank, mine, mesh, timeout, backend)
+    else:
+        shard_mesh = _shard_mesh(layout, rank, mine["dp"], timeout, backend)
     return Groups(layout=layout, rank=rank, world=world, mesh=mesh, backend=backend,
                   shard_mesh=shard_mesh, **mine)
+
+
+def _model_parallel_shard_mesh(layout: Layout, rank: int, mine: dict[str, dist.ProcessGroup],
+                               mesh: DeviceMesh, timeout: timedelta,
+                               backend: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The round's mesh and FSDP's, for a sharded layout with pp or tp.
+
+    FSDP2 joins a tensor-parallel DTensor's mesh and its own into one (``_concatenate``),
+    which needs both sliced from one root mesh: FSDP's is the root's ``"dp"`` axis; for
+    HSDP the root is ``("pp", "replicate", "shard", "tp")`` (the dp axis split in two, its
+    groups made here) and FSDP's mesh its ``("replicate", "shard")`` slice.
+    """
+    if layout.replicas == 1:
+        return mesh, mesh["dp"]
+    pieces = [_member_group(groups, rank, timeout, backend)
+              for groups in (layout.replicate_groups(), layout.shard_groups())]
+    root = DeviceMesh.from_group(
+        [mine["pp"], *pieces, mine["tp"]], "cuda" if uses_nccl(backend) else "cpu",
+        mesh=torch.arange(layout.world_size).reshape(layout.pp, layout.replicas, layout.shard,
+                                                     layout.tp),
+        mesh_dim_names=("pp", "replicate", "shard", "tp"),
+    )
+    return root, root["replicate", "shard"]
 
 
 def _shard_mesh(layout: Layout, rank: int, dp: dist.ProcessGroup, timeout: timedelta,

@@ -90,6 +90,17 @@ class Sequences(torch.utils.data.Dataset):
 def reference_params(steps: int, *, samples: int, global_batch: int,
                      **model: Any) -> dict[str, torch.Tensor]:
     """The uninterrupted one-process run over the same global batches: its parameters."""
+    return reference_state(steps, samples=samples, global_batch=global_batch, **model)[0]
+
+
+def reference_state(steps: int, *, samples: int, global_batch: int, clip: float | None = None,
+                    **model: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The one-process run's parameters and AdamW first moments (``exp_avg``), by name.
+
+    The moments are the gradients' scale, which the parameters are not: Adam's update is
+    nearly scale-free, so a layout that sums gradients ``dp`` times too small matches the
+    parameters at 1e-5 and only the moments tell. ``clip``: ``clip_grad_norm_`` each step.
+    """
     described = describe(**model)
     optimizer = described.optimizer(list(described.model.parameters()))
     data = Sequences(samples)
@@ -98,6 +109,11 @@ def reference_params(steps: int, *, samples: int, global_batch: int,
         x, y = default_collate([data[i] for i in sampler.global_batch()])
         optimizer.zero_grad()
         described.loss(described.model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(described.model.parameters(), clip)
         optimizer.step()
         sampler.advance()
-    return {name: p.detach().clone() for name, p in described.model.named_parameters()}
+    named = list(described.model.named_parameters())
+    return ({name: p.detach().clone() for name, p in named},
+            {name: optimizer.state[p]["exp_avg"].clone() for name, p in named
+             if p in optimizer.state})

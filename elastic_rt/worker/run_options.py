@@ -75,11 +75,12 @@ class RunOptions:
         if not self.is_step_owned:
             raise ConfigError("step is set with model_parallel",
                               "Pass step=None: the loss is ModelDescription.loss.")
-        if self.limits.max_shard > 1 or self.autocast_dtype is not None \
-                or self.clip_grad_norm is not None:
-            raise ConfigError("max_shard, autocast_dtype or clip_grad_norm with model_parallel",
-                              "Leave them unset: the runtime-parallel family replicates over "
-                              "dp in full precision, without clipping, for now.")
+        # max_shard is the family's own (FSDP over dp, composed with pp and tp), and so is
+        # clip_grad_norm (over the whole model's norm); mixed precision is not yet
+        if self.autocast_dtype is not None:
+            raise ConfigError("autocast_dtype with model_parallel",
+                              "Leave it unset: the runtime-parallel family trains in full "
+                              "precision for now.")
 
     @property
     def is_sharded(self) -> bool:

@@ -39,7 +39,8 @@ def _ctx(env: WorkerEnv, layout: Any, number: int) -> Any:
 
 def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
             options: dict[str, Any], micro_batch_size: int | None,
-            checkpoint_url: str | None = None, copy_every: int = 1) -> dict[str, Any]:
+            checkpoint_url: str | None = None, copy_every: int = 1,
+            clip: float | None = None) -> dict[str, Any]:
     """Train each ``(layout, steps)`` in turn, saving a checkpoint at the end of each when
     ``checkpoint_url`` is given; the parameters at the end, whole, by name. Each rank is a
     node of its own: parts without a replica are copied to the next rank (``copy_every``)."""
@@ -56,7 +57,7 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
                              micro_batch_size=micro_batch_size)
     progress = Progress()
     trainer = RuntimeParallelTrainer(lambda layout: dm.describe(), ModelParallel(**options),
-                                     copy_every=copy_every)
+                                     copy_every=copy_every, clip_grad_norm=clip)
     checkpoint = Checkpointer(checkpoint_url, async_save=False) if checkpoint_url else None
     sources = []
     for number, (spec, steps) in enumerate(rounds):
@@ -80,23 +81,42 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
                             extra=meta.encode(), process_group=ctx.groups.world)
             checkpoint.wait()
         model = trainer.result().model
-        params = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
-                  for name, p in model.named_parameters()}
+        params = {name: _whole(p) for name, p in model.named_parameters()}
+        moments = _moments(trainer)
         trainer.release()
         destroy_groups(ctx.groups)
-    return {"params": params, "sources": sources, "step": progress.step}
+    return {"params": params, "moments": moments, "sources": sources, "step": progress.step}
 
 
-def _check(results: list[dict[str, Any]], steps: int) -> None:
-    want = dm.reference_params(steps, samples=SAMPLES, global_batch=GLOBAL_BATCH)
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+
+
+def _moments(trainer: Any) -> dict[str, torch.Tensor]:
+    """The AdamW first moments by parameter name, whole (collective over DTensor meshes)."""
+    from elastic_rt.worker.trainers.checkpoint_restore import named_state
+
+    optim = named_state(trainer.result())["optimizer"]
+    return {key[len("state."):-len(".exp_avg")]: _whole(value) for key, value in optim.items()
+            if key.startswith("state.") and key.endswith(".exp_avg")}
+
+
+def _check(results: list[dict[str, Any]], steps: int, clip: float | None = None) -> None:
+    """Parameters and AdamW moments (the gradients' scale) equal one process's at 1e-5."""
+    want, want_moments = dm.reference_state(steps, samples=SAMPLES, global_batch=GLOBAL_BATCH,
+                                            clip=clip)
     got: dict[str, torch.Tensor] = {}
+    moments: dict[str, torch.Tensor] = {}
     for result in results:
         if "params" in result:
             assert result["step"] == steps
             got.update(result["params"])
-    assert set(got) == set(want)
+            moments.update(result["moments"])
+    assert set(got) == set(want) and set(moments) == set(want_moments)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(moments[name], want_moments[name], atol=1e-5, rtol=0,
+                                   msg=f"exp_avg of {name}")
 
 
 @pytest.mark.parametrize("layout, options, micro", [

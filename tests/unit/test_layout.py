@@ -244,13 +244,71 @@ def test_memory_limit_counts_the_shards() -> None:
         plan_layout(3, ModelLimits(max_shard=2, max_params_per_rank=300, n_params=1000))
 
 
-def test_shard_is_not_combined_with_model_parallelism() -> None:
-    assert plan_layout(4, ModelLimits(max_pp=2, max_shard=4, min_dp=1,
-                                      max_params_per_rank=500, n_params=1000)).pp == 1
-    with pytest.raises(ConfigError, match="not combined"):
-        Layout(dp=2, pp=2, shard=2)
+def test_shard_does_not_divide_dp_is_refused() -> None:
     with pytest.raises(ConfigError, match="does not divide"):
         Layout(dp=4, shard=3)
+    with pytest.raises(ConfigError, match="does not divide"):
+        Layout(dp=2, pp=2, tp=2, shard=4)
+
+
+SHARD_LIMITS = [
+    ModelLimits(max_pp=2, tp_options=(1, 2), max_shard=4),
+    ModelLimits(max_pp=4, tp_options=(1, 2), max_shard=2, max_params_per_rank=150, n_params=1000),
+    ModelLimits(max_pp=2, tp_options=(2,), max_shard=8, max_params_per_rank=100, n_params=1000),
+    ModelLimits(max_pp=3, tp_options=(1, 2, 4), min_dp=2, max_shard=3),
+]
+
+
+@pytest.mark.parametrize("limits", SHARD_LIMITS, ids=str)
+@pytest.mark.parametrize("world_size", range(1, 17))
+def test_plan_with_max_shard_is_the_best_of_every_dp_pp_tp_shard(
+    world_size: int, limits: ModelLimits
+) -> None:
+    found = [(dp, pp, tp, shard) for dp, pp, tp in _candidates(world_size, ModelLimits(
+                 max_pp=limits.max_pp, tp_options=limits.tp_options, min_dp=limits.min_dp))
+             for shard in range(1, min(dp, limits.max_shard) + 1) if dp % shard == 0
+             and limits.fits_memory(pp, tp, shard)]
+    try:
+        layout = plan_layout(world_size, limits)
+    except ConfigError:
+        assert not found
+        return
+    best = min(found, key=lambda c: (-c[0], c[1], c[2], -c[3]))
+    assert (layout.dp, layout.pp, layout.tp, layout.shard) == best
+
+
+def test_memory_limit_shards_the_parts_of_model_parallel_layouts() -> None:
+    # 1000 params, 150 per rank: pp2 x tp2 alone holds 250; sharding each part 2 ways fits.
+    limits = ModelLimits(max_pp=2, tp_options=(1, 2), max_shard=2, max_params_per_rank=150,
+                         n_params=1000)
+    layout = plan_layout(8, limits)
+    assert layout == Layout(dp=2, pp=2, tp=2, shard=2) and str(layout) == "pp2xfsdp2xtp2"
+    # ties on dp, pp and tp go to the largest shard: least memory per rank
+    assert plan_layout(8, ModelLimits(max_pp=2, tp_options=(2,), max_shard=4,
+                                      min_dp=4)) == Layout(dp=4, tp=2, shard=4)
+
+
+def test_sharded_model_parallel_layouts_name_every_axis() -> None:
+    assert str(Layout(dp=2, tp=2, shard=2)) == "fsdp2xtp2"
+    assert str(Layout(dp=2, pp=2, shard=2)) == "pp2xfsdp2"
+    assert str(Layout(dp=4, pp=2, tp=2, shard=2)) == "pp2xhsdp2x2xtp2"
+    assert str(Layout(dp=4, pp=1, tp=1, shard=4)) == "fsdp4"
+
+
+def test_sharded_parts_have_their_own_copies_and_replicas() -> None:
+    layout = Layout(dp=4, pp=2, tp=2, shard=2)  # rank = (pp * 4 + dp) * 2 + tp
+    assert layout.copies(1, 1) == [[9, 11], [13, 15]]
+    assert layout.copies(0, 0) == [[0, 2], [4, 6]]
+    assert layout.shard_groups()[:4] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert layout.replicate_groups()[:2] == [[0, 4], [2, 6]]
+    assert sorted(r for g in layout.shard_groups() for r in g) == list(range(16))
+    assert sorted(r for g in layout.replicate_groups() for r in g) == list(range(16))
+    assert [layout.shard_index(r) for r in (0, 1, 2, 3, 4)] == [0, 0, 1, 1, 0]
+    assert Layout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
+    # a piece survives while one replica of it, in its own (pp, tp) part, is left
+    assert has_replica_for_every_shard(layout, {0, 2, 9, 11})
+    assert not has_replica_for_every_shard(layout, {0, 4})
+    assert not has_replica_for_every_shard(Layout(dp=2, tp=2, shard=2), {3})
 
 
 def test_hsdp_groups_shard_within_and_replicate_across() -> None:

@@ -23,7 +23,7 @@ from elastic_rt.worker.trainers.runtime_parallel.by_name import (
 from elastic_rt.worker.trainers.runtime_parallel.cut import cut_stages, stages_of_rank
 from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
 from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
-from elastic_rt.worker.trainers.runtime_parallel.sources import pick_cut_sources
+from elastic_rt.worker.trainers.runtime_parallel.copy_sources import Choice, Copy, pick_sources
 from elastic_rt.worker.trainers.runtime_parallel.stages import StageModule
 
 
@@ -138,10 +138,12 @@ def test_a_share_too_small_for_1f1b_is_one_config_error_line() -> None:
 def test_sources_are_one_clean_holder_per_part_of_one_cut_at_the_newest_step() -> None:
     holders = [Holder(5, 5, (0, 0), (2, 1)), Holder(5, 5, (0, 0), (2, 1)),
                Holder(-1, 5, (1, 0), (2, 1)), Holder(4, 4, (1, 0), (2, 1))]
-    assert pick_cut_sources(holders) is None  # step 5 lacks stage 1; step 4 lacks stage 0
+    none: list[list[Copy]] = [[] for _ in holders]
+    assert pick_sources(holders, none) is None  # step 5 lacks stage 1; step 4 lacks stage 0
     holders[2] = Holder(5, 5, (1, 0), (2, 1))
-    assert pick_cut_sources(holders) == (5, {(0, 0): 0, (1, 0): 2})
-    assert pick_cut_sources([Holder(-1, -1, None, None)] * 2) is None
+    assert pick_sources(holders, none) == Choice(5, {(0, 0): 0, (1, 0): 2},
+                                                 frozenset({(0, 0), (1, 0)}))
+    assert pick_sources([Holder(-1, -1, None, None)] * 2, [[], []]) is None
 
 
 def test_a_cut_tensor_needs_every_piece_and_a_whole_one_its_lowest_holder() -> None:
@@ -153,6 +155,20 @@ def test_a_cut_tensor_needs_every_piece_and_a_whole_one_its_lowest_holder() -> N
         pieces_of("w", {0: {"w": half}})
     with pytest.raises(ElasticError, match="no source"):
         pieces_of("v", {0: {"w": half}})
+
+
+def test_fsdp_pieces_of_tensor_parallel_pieces_are_boxes_and_replicas_give_one() -> None:
+    # fsdp2 x tp2 of a (8, 4) column-parallel weight: tp cuts rows 0-3 | 4-7, fsdp each in two
+    boxes = [((0, 2), (0, 4)), ((2, 4), (0, 4)), ((4, 6), (0, 4)), ((6, 8), (0, 4))]
+    pieces = [Entry((8, 4), torch.float32, held=box) for box in boxes]
+    # HSDP: ranks 4-7 hold the same boxes as ranks 0-3; the lowest holder of each is read
+    held = {rank: {"w": pieces[rank % 4]} for rank in (7, 2, 5, 0, 1, 3, 4, 6)}
+    assert pieces_of("w", held) == [(rank, pieces[rank]) for rank in range(4)]
+    with pytest.raises(ElasticError, match="do not cover"):
+        pieces_of("w", {0: {"w": pieces[0]}, 4: {"w": pieces[0]}, 2: {"w": pieces[2]}})
+    # a held box is moved like a tp piece: a row-parallel receiver takes its columns of it
+    target = Entry((8, 4), torch.float32, 1, 1, 2)
+    assert overlap(pieces[1].box(), target.box()) == ((2, 4), (2, 4))
 
 
 def test_each_receiver_gets_exactly_the_part_of_each_piece_it_holds() -> None:
@@ -181,8 +197,7 @@ def test_model_parallel_picks_the_runtime_parallel_family() -> None:
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"is_step_owned": False}, "step is set with model_parallel"),
-    ({"clip_grad_norm": 1.0}, "with model_parallel"),
-    ({"limits": ModelLimits(max_shard=2)}, "with model_parallel"),
+    ({"autocast_dtype": torch.bfloat16}, "autocast_dtype with model_parallel"),
 ])
 def test_run_options_refuse_what_the_family_cannot_train(kwargs: dict[str, Any],
                                                          words: str) -> None:
@@ -194,3 +209,25 @@ def test_run_options_refuse_what_the_family_cannot_train(kwargs: dict[str, Any],
         RunOptions(**options)
     RunOptions(global_batch_size=8, max_steps=1, is_step_owned=True, is_runtime_parallel=True,
                micro_batch_size=2)  # micro-batches are the pipeline's
+    RunOptions(global_batch_size=8, max_steps=1, is_step_owned=True, is_runtime_parallel=True,
+               limits=ModelLimits(max_pp=2, max_shard=4),  # FSDP over dp, with pp and tp
+               clip_grad_norm=1.0)
+
+
+def test_each_fsdp_piece_of_a_part_needs_a_holder_and_hsdp_replicas_give_one() -> None:
+    from elastic_rt.layout import Layout
+    from elastic_rt.worker.trainers.runtime_parallel.sharding import holder_of
+
+    hsdp = Layout(dp=4, tp=2, shard=2)  # rank = dp * 2 + tp; pieces: dp % 2
+    holders = [holder_of(step=5, is_clean=True, layout=hsdp, rank=r) for r in range(8)]
+    assert {h.cut for h in holders} == {(1, 4)}
+    none: list[list[Copy]] = [[] for _ in holders]
+    found = pick_sources(holders, none)
+    assert found is not None
+    assert (found.step, found.ranks) == (5, {(0, 0): 0, (0, 1): 1, (0, 2): 2, (0, 3): 3})
+    # ranks 2 and 6 hold the same piece (dp 1 and 3, tp 0): losing both loses it
+    lost = [h if r not in (2, 6) else holder_of(step=-1, is_clean=False, layout=None, rank=None)
+            for r, h in enumerate(holders)]
+    assert pick_sources(lost, none) is None
+    unsharded = holder_of(step=5, is_clean=True, layout=Layout(dp=2, tp=2), rank=3)
+    assert (unsharded.part, unsharded.cut) == ((0, 1), (1, 2))

@@ -15,6 +15,7 @@ Each family restores from the first source that has the state::
     model_parallel/  an object owning its step, pp x tp    part_broadcast | checkpoint | init
     runtime_parallel/ a ModelDescription the runtime cuts    by_name from survivors |
                      into pp stages, tp plans, dp replicas of copies | checkpoint | init
+                     or FSDP / HSDP shards over dp
 
 The replicated and sharded families train through ``runtime_step`` (the runtime's step).
 Shared by all three: ``protocol`` (what the loop sees), ``meta`` (:class:`TrainMeta`, the one
@@ -55,7 +56,8 @@ def choose(*, build: BuildFn, step: StepFn | None, limits: ModelLimits, options:
         ConfigError: ``peer_copy_every`` is negative (sharded and runtime-parallel families).
     """
     if model_parallel is not None:
-        return RuntimeParallelTrainer(build, model_parallel, copy_every=peer_copy_every)
+        return RuntimeParallelTrainer(build, model_parallel, copy_every=peer_copy_every,
+                                      clip_grad_norm=options.clip_grad_norm)
     if step is None:
         return OwnedStepTrainer(build)
     if limits.max_shard > 1:

@@ -4,8 +4,10 @@ part it holds, from the ranks that held it in the old cut, whatever the two cuts
 
 Rule: the state is keyed by the unsplit model's names (``model/layers.2.up.weight``,
 ``optimizer/state.layers.2.up.weight.exp_avg``), and every rank says how it holds each key
-(:class:`Entry`): whole, or piece ``index`` of ``count`` cut along ``dim`` as ``torch.chunk``
-cuts it (a tensor-parallel DTensor shard). Each piece is a box of the whole tensor; a
+(:class:`Entry`): whole, or a box of it. A tensor-parallel shard is piece ``index`` of
+``count`` cut along ``dim`` as ``torch.chunk`` cuts it; an FSDP shard of it is a run of rows
+(dim 0) of that tensor-parallel piece, so still a box (:func:`local_box`). Each piece is a
+box of the whole tensor; replicas (HSDP, dp) hold equal boxes and one is read. A
 receiver gets, from each source piece, the intersection of that piece's box and its own,
 in one all-to-all of the world group, written straight into its tensors. No rank receives
 a byte it does not hold afterwards, so no rank ever holds the whole model unless it holds
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from elastic_rt.errors import ElasticError
 from elastic_rt.worker import abort
@@ -45,9 +48,13 @@ class Entry:
     """The dimension the whole is cut along; None: it holds the whole."""
     index: int = 0
     count: int = 1
+    held: Box | None = None
+    """The box held, when given as one (a DTensor's local shard); else from dim/index/count."""
 
     def box(self) -> Box:
         """The part of the whole this entry holds."""
+        if self.held is not None:
+            return self.held
         return tuple(chunk_rows(size, self.count, self.index) if d == self.dim else (0, size)
                      for d, size in enumerate(self.full))
 
@@ -68,14 +75,43 @@ def flatten(state: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def entry_of(value: torch.Tensor) -> Entry:
-    """How ``value`` holds its tensor: a DTensor sharded on one mesh axis, or whole."""
-    if isinstance(value, DTensor) and isinstance(value.placements[0], Shard):
-        # the mesh's own record: its group may be gone with the round that made it
-        coordinate = value.device_mesh.get_coordinate()
-        assert coordinate is not None  # a DTensor lives on the ranks of its mesh
-        return Entry(tuple(value.shape), value.dtype, value.placements[0].dim, coordinate[0],
-                     value.device_mesh.size())
-    return Entry(tuple(value.shape), value.dtype)
+    """How ``value`` holds its tensor: the box of a DTensor's local shard, or whole."""
+    full = tuple(value.shape)
+    if isinstance(value, DTensor):
+        box = local_box(value)
+        if box != tuple((0, size) for size in full):
+            return Entry(full, value.dtype, held=box)
+    return Entry(full, value.dtype)
+
+
+def local_box(value: DTensor) -> Box:
+    """The box of the whole tensor that ``value``'s local shard holds.
+
+    ``Shard`` placements cut in mesh order, as ``torch.chunk`` does; a ``_StridedShard``
+    (FSDP2's dp placement of a tensor-parallel piece cut along the same dim, e.g. a
+    column-parallel weight under ``fsdp2xtp2``) cuts after the plain ones: FSDP chunks
+    the tensor-parallel *local* tensor by rows, so the local shard is a run of rows of a
+    run of rows: still one box.
+
+    Raises:
+        ElasticError: the local shard is not that box (a placement this does not know).
+    """
+    # the mesh's own record: its group may be gone with the round that made it
+    coordinate = value.device_mesh.get_coordinate()
+    assert coordinate is not None  # a DTensor lives on the ranks of its mesh
+    placements = list(enumerate(value.placements))
+    cuts = [(i, p.dim) for i, p in placements if isinstance(p, Shard)]
+    cuts += [(i, p.dim) for i, p in reversed(placements) if isinstance(p, _StridedShard)]
+    box = [(0, size) for size in value.shape]
+    for axis, dim in cuts:
+        lo, hi = box[dim]
+        first, end = chunk_rows(hi - lo, value.device_mesh.size(axis), coordinate[axis])
+        box[dim] = (lo + first, lo + end)
+    if tuple(hi - lo for lo, hi in box) != tuple(value.to_local().shape):
+        raise ElasticError(f"a DTensor placed {value.placements} holds a local shard of shape "
+                           f"{tuple(value.to_local().shape)}, not the box {box} of "
+                           f"{tuple(value.shape)}: it cannot move by name")
+    return tuple(box)
 
 
 def describe(flat: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +122,8 @@ def describe(flat: dict[str, Any]) -> dict[str, Any]:
 def pieces_of(key: str, held: dict[int, dict[str, Any]]) -> list[tuple[int, Entry]]:
     """The ``(source rank, entry)`` of each piece of ``key``, in piece order.
 
-    A whole tensor comes from its lowest holder; a cut one needs one holder per piece.
+    A whole tensor comes from its lowest holder; a cut one needs a holder per piece (the
+    lowest, among replicas holding the same box), and the pieces must cover the whole.
 
     Raises:
         ElasticError: a piece has no holder (the sources do not cover the model).
@@ -96,15 +133,18 @@ def pieces_of(key: str, held: dict[int, dict[str, Any]]) -> list[tuple[int, Entr
     if not found:
         raise ElasticError(f"no source holds {key!r}: the model built for this round "
                            "differs from the one that trained")
-    first = found[0][1]
-    if first.dim is None:
-        return [found[0]]
-    by_index: dict[int, tuple[int, Entry]] = {}
+    by_box: dict[Box, tuple[int, Entry]] = {}
     for rank, entry in found:
-        by_index.setdefault(entry.index, (rank, entry))
-    if sorted(by_index) != list(range(first.count)):
-        raise ElasticError(f"pieces {sorted(by_index)} of {first.count} of {key!r} survive")
-    return [by_index[i] for i in range(first.count)]
+        by_box.setdefault(entry.box(), (rank, entry))
+    whole = tuple((0, size) for size in found[0][1].full)
+    if whole in by_box:
+        return [by_box[whole]]
+    # the pieces of one cut do not overlap: they cover the whole when their volumes add up
+    if sum(math.prod(hi - lo for lo, hi in box) for box in by_box) != math.prod(
+            hi for _, hi in whole):
+        raise ElasticError(f"the surviving pieces {sorted(by_box)} of {key!r} do not cover "
+                           f"its shape {found[0][1].full}")
+    return [by_box[box] for box in sorted(by_box)]
 
 
 Move = tuple[str, Entry, Box]

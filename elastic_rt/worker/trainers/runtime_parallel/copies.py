@@ -87,7 +87,9 @@ class PartCopies:
 
     def start(self, ctx: Context) -> None:
         """This round's ring, where one node's loss could take a part (collective)."""
-        if not self.every:
+        if not self.every or ctx.layout.shard > 1:
+            # FSDP / HSDP pieces of this family have no copies yet: a piece lost with its
+            # only holder comes back from the checkpoint (docs/parallelism.md)
             return
         nodes = gather_nodes(ctx.node_id, ctx.groups.world)  # nodes may differ in size
         shift = ring_shift(nodes)

@@ -6,7 +6,7 @@ start the next) and the lowest rank holding a completed snapshot of it at that s
 part's, or the copy of its ring neighbour's, ``copies``). Live state and a snapshot of one
 step are the same bytes, so one cut may mix them: after a node loss the survivors give their
 own parts, and the lost parts come from the copies their ring holders keep. With no copies
-this is ``sources.pick_cut_sources``. None: no step is covered, and the caller falls back to
+this is the survivors' choice alone. None: no step is covered, and the caller falls back to
 the checkpoint.
 
 :func:`pick_sources`, :func:`needs_copies` and :func:`ring_shift` are pure; :func:`gather`

@@ -7,6 +7,7 @@ round's layout (a stage and a DTensor are bound to their round's groups)::
     build(layout)            -> ModelDescription (the whole model, plain torch)
     rank_modules             -> this rank's stages, blocks cut by parameter count, full names
     split_tensors            -> block_tp_plan applied on the round's tp mesh
+    shard_stages             -> fully_shard over dp (shard > 1): blocks, then stage roots
     description.optimizer    -> the optimizer over this rank's (DTensor) parameters
     restore                  -> by name, from survivors | checkpoint | init
     Pipeline                 -> PipelineStages on the pp group + the named schedule
@@ -24,8 +25,9 @@ and its state comes, in this order of preference, from
    rank builds the same model).
 
 A step is atomic: the pipeline's sends and receives, the loss broadcast and the gradient
-all-reduce over the dp group all come before the optimizer step, so a step that raised
-leaves every rank's state at the last committed step.
+all-reduce over the dp group (FSDP's reduce-scatter in backward when sharded) all come
+before the optimizer step, so a step that raised leaves every rank's state at the last
+committed step.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ from elastic_rt.worker.trainers.checkpoint_restore import (
     named_state,
 )
 from elastic_rt.worker.trainers.meta import TrainMeta
-from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder
 from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
 from elastic_rt.worker.trainers.runtime_parallel.by_name import (
@@ -60,11 +61,13 @@ from elastic_rt.worker.trainers.runtime_parallel.by_name import (
     flatten,
     offer_of,
 )
+from elastic_rt.worker.trainers.runtime_parallel.clipping import clip_grad_norm
 from elastic_rt.worker.trainers.runtime_parallel.copies import PartCopies, named_part
 from elastic_rt.worker.trainers.runtime_parallel.copy_sources import Choice, gather, pick_sources
 from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
 from elastic_rt.worker.trainers.runtime_parallel.grads import sum_gradients
 from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel, Pipeline
+from elastic_rt.worker.trainers.runtime_parallel.sharding import holder_of, shard_stages
 from elastic_rt.worker.trainers.runtime_parallel.stages import (
     RankModules,
     device_of,
@@ -82,8 +85,9 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 class RuntimeParallelTrainer:
     """This rank's stages of a described model, rebuilt and restored every round."""
 
-    def __init__(self, build: BuildFn, options: ModelParallel, *, copy_every: int = 1) -> None:
-        self.build, self.options = build, options
+    def __init__(self, build: BuildFn, options: ModelParallel, *, copy_every: int = 1,
+                 clip_grad_norm: float | None = None) -> None:
+        self.build, self.options, self.clip_grad_norm = build, options, clip_grad_norm
         self.copies = PartCopies(copy_every)
         self.sampler: ElasticSampler | None = None
         self.description: ModelDescription | None = None
@@ -119,7 +123,7 @@ class RuntimeParallelTrainer:
     def _restore(self, at: Restoring) -> str:
         ctx, progress = at.ctx, at.progress
         old, held = self.state, self.held
-        mine = Holder.of(step=progress.step, is_clean=not progress.is_dirty,
+        mine = holder_of(step=progress.step, is_clean=not progress.is_dirty,
                          layout=held[0] if held else None, rank=held[1] if held else None)
         holders, copies = gather(mine, self.copies.held(), ctx.groups.world)
         progress.is_dirty = True  # until the new state holds the state of `step`
@@ -188,6 +192,9 @@ class RuntimeParallelTrainer:
                                stages_per_rank=self.options.stages_per_rank)
         tp_mesh = ctx.groups.mesh["tp"] if ctx.groups.mesh is not None else None
         split_tensors(described, modules, tp_mesh)
+        if ctx.layout.shard > 1:
+            assert ctx.groups.shard_mesh is not None  # made by init_groups for shard > 1
+            shard_stages(described, modules, ctx.groups.shard_mesh)
         state = TrainState(model=modules.local, optimizer=described.optimizer(
             local_params(modules)))
         self.description, self.modules, self.state = described, modules, state
@@ -217,6 +224,11 @@ class RuntimeParallelTrainer:
         self.copies.refresh(ctx, step - 1, self.state, self.sampler)  # before it changes
         self.state.optimizer.zero_grad(set_to_none=True)
         samples = sum(size for _, size in micro_batches)
+        if not samples and ctx.layout.shard > 1:
+            # every rank of a sharded part must run forward and backward (their collectives)
+            raise ConfigError(f"step {step}: the global batch of {global_len} leaves rank "
+                              f"{ctx.rank} of {ctx.layout.dp} data-parallel ranks without samples",
+                              "Use a global batch of a multiple of the data-parallel size.")
         device = device_of(self.modules)
         micro_batches = [(to_device(batch, device), size) for batch, size in micro_batches]
         with user_code(rank=ctx.rank, step=step):
@@ -227,10 +239,16 @@ class RuntimeParallelTrainer:
                                               pp=ctx.layout.pp)
                 self.pipeline.step(inputs, target, n)
             elif samples:
+                if ctx.layout.shard > 1:  # one backward: FSDP's collectives once per rank
+                    micro_batches = [(_joined(micro_batches), samples)]
                 for batch, _ in micro_batches:
-                    self._loss(self.modules.local(batch[0]), batch[1]).backward()
+                    self._loss(_forward(self.modules, batch[0]), batch[1]).backward()
         loss_sum = self._loss_sum(ctx)
-        sum_gradients(local_params(self.modules), ctx.groups.dp)
+        if ctx.layout.shard == 1:  # else FSDP reduced them in backward
+            sum_gradients(local_params(self.modules), ctx.groups.dp)
+        if self.clip_grad_norm is not None:
+            clip_grad_norm(local_params(self.modules), self.clip_grad_norm, ctx.layout,
+                           ctx.groups.world)
         self.state.optimizer.step()  # after every collective of the step: it is atomic
         return (loss_sum / samples if samples else math.nan), loss_sum / global_len
 
@@ -271,6 +289,13 @@ class RuntimeParallelTrainer:
         """The stages and schedules hold the round's pp group: they go with it."""
         self.copies.stop()
         self.pipeline = None
+
+
+def _forward(modules: RankModules, inputs: Any) -> Any:
+    """The rank's stages in order: each is an FSDP root when sharded, so it is called."""
+    for stage in modules.stages:
+        inputs = stage(inputs)
+    return inputs
 
 
 def _joined(micro_batches: list[tuple[Any, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,65 @@
+"""FSDP2 / HSDP over the data-parallel axis of a runtime-parallel layout (``shard > 1``).
+
+Rule (torchtitan's order): the tensor-parallel plan first, then ``fully_shard`` on the
+round's shard mesh (its ``"dp"`` axis, or ``("replicate", "shard")`` for HSDP; a slice of
+the same root mesh as ``"tp"``, which FSDP2 needs to join the two): every block this rank
+holds is one unit, then each stage is a root (the modules before and after the blocks go
+with it). A tensor-parallel parameter becomes a DTensor on the 2-D (or 3-D) mesh; a
+column-parallel one gets FSDP2's private ``_StridedShard`` placement on dp, which still
+holds a box of the whole tensor (``by_name.local_box``), so state moves by name unchanged.
+
+Gradients are *summed* over the shard (and replicate) ranks by FSDP's own reduce-scatter
+(and all-reduce) during backward, with divide factor 1 as ``sharded/fsdp.py`` does: each
+micro-batch's loss is already weighted by its share of the global batch. So the trainer
+sums nothing over dp itself, and the step stays atomic: every collective comes before
+the optimizer step.
+
+Restore: a rank's *part* is its ``(pp, tp)`` cut and its shard index; :func:`holder_of`
+counts each shard piece as a part of its own, so survivors restore only when every piece
+of one cut has a clean holder.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from elastic_rt.layout import Layout
+from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder
+from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
+from elastic_rt.worker.trainers.runtime_parallel.stages import RankModules
+
+
+def shard_stages(description: ModelDescription, modules: RankModules, mesh: DeviceMesh) -> None:
+    """``fully_shard`` this rank's blocks, then each of its stages, over ``mesh``. Collective
+    over the shard mesh's groups (FSDP2 reads its ranks' coordinates only: no traffic)."""
+    held = {id(m) for m in modules.local.modules()}
+    units = [block for block in description.blocks if id(block) in held] + modules.stages
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    # the stages are not in `modules.local`'s tree (they share its parts): set each unit
+    for unit in units:
+        assert isinstance(unit, FSDPModule)  # fully_shard made it one
+        # A plain sum (gloo has no pre-multiplied sum): losses are weighted by share.
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def holder_of(*, step: int, is_clean: bool, layout: Layout | None, rank: int | None) -> Holder:
+    """This rank's :class:`Holder`, with a sharded part's pieces counted as parts.
+
+    Piece ``i`` of ``shard`` of part ``(pp, tp)`` is part ``(pp, i * tp + tp_i)`` of a cut
+    ``(pp, tp * shard)``: a cut is whole when each of its ``pp * tp * shard`` pieces has a
+    holder, which ``copy_sources.pick_sources`` already checks.
+
+    Note:
+        ``fsdp2`` and ``tp2`` share the cut ``(1, 2)``; only holders clean at the same step
+        under both could mix, and then ``by_name`` finds their pieces' boxes do not cover
+        the tensors and raises, rather than load a wrong state.
+    """
+    holder = Holder.of(step=step, is_clean=is_clean, layout=layout, rank=rank)
+    if layout is None or rank is None or layout.shard == 1 or holder.part is None:
+        return holder
+    pp, tp = holder.part
+    part = (pp, layout.shard_index(rank) * layout.tp + tp)
+    return Holder(holder.step, holder.last_step, part, (layout.pp, layout.tp * layout.shard))
