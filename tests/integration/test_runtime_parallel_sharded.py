@@ -52,9 +52,10 @@ def test_hsdp_with_tp_and_pp_trains_and_moves_by_name_on_8_ranks() -> None:
 def test_a_checkpoint_of_one_cut_loads_into_a_sharded_or_unsharded_other(
         tmp_path: Any, saved: dict[str, int], loaded: dict[str, int]) -> None:
     # rank 3 is lost with the second round: its piece has no other holder, so the
-    # checkpoint (DCP, _StridedShard placements included) is loaded by name
+    # checkpoint (DCP, _StridedShard placements included) is loaded by name (peer copies
+    # off: with them the pp2xtp2 part would come from its copy instead)
     rounds = [(saved, 3), (loaded, 2)]
-    results = run_workers(_rounds, 4, args=(rounds, {}, None, f"file://{tmp_path}/ckpt"),
+    results = run_workers(_rounds, 4, args=(rounds, {}, None, f"file://{tmp_path}/ckpt", 0),
                           timeout_s=120)
     _check(results, 5)
     assert [r["sources"][1].split()[0] for r in results[:3]] == ["checkpoint"] * 3
@@ -65,5 +66,6 @@ def test_a_checkpoint_of_one_cut_loads_into_a_sharded_or_unsharded_other(
 ], ids=["fsdp2xtp2", "pp2xfsdp2", "pp2xdp2"])
 def test_clipping_uses_the_whole_models_norm_in_every_layout(layout: dict[str, int]) -> None:
     # 0.05 is below every step's gradient norm here: every step clips
-    results = run_workers(_rounds, 4, args=([(layout, 3)], {}, None, None, 0.05), timeout_s=90)
+    results = run_workers(_rounds, 4, args=([(layout, 3)], {}, None, None, 1, 0.05),
+                          timeout_s=90)
     _check(results, 3, clip=0.05)
