@@ -20,11 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import default_collate
 
 from elastic_rt.harness import REPO, child_env, wait_until
-from elastic_rt.sampler import ElasticSampler
-from scripts.examples import described_train as ex
+from tests.fixtures.described_reference import reference_params
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, exit_code, launch_args
 
@@ -50,20 +48,6 @@ def _steps(tmp: Path, world: int | None = None) -> list[int]:
             and world in (None, e.metadata["world_size"])]
 
 
-def _reference_params() -> dict[str, torch.Tensor]:
-    described = ex.describe(dtype=torch.float64)
-    optimizer = described.optimizer(list(described.model.parameters()))
-    data = ex.CharWindows(16, SAMPLES)
-    sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, seed=0)
-    for _ in range(STEPS):
-        ids, target = default_collate([data[i] for i in sampler.global_batch()])
-        optimizer.zero_grad()
-        described.loss(described.model(ids), target).backward()
-        optimizer.step()
-        sampler.advance()
-    return {name: p.detach() for name, p in described.model.named_parameters()}
-
-
 def test_a_lost_stage_comes_back_from_its_peer_copy_with_no_checkpoint(
     process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path,
 ) -> None:
@@ -79,7 +63,7 @@ def test_a_lost_stage_comes_back_from_its_peer_copy_with_no_checkpoint(
     got: dict[str, torch.Tensor] = {}
     for path in sorted((tmp_path / "out").glob("rank-*.pt")):
         got.update(torch.load(path))
-    want = _reference_params()
+    want = reference_params(steps=STEPS, global_batch=GLOBAL_BATCH, samples=SAMPLES)
     assert set(got) == set(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)

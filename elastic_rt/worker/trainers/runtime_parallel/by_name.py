@@ -30,8 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from elastic_rt.errors import ElasticError
-from elastic_rt.worker import abort
-from elastic_rt.worker.trainers.sharded.row_fetch import chunk_rows
+from elastic_rt.worker.trainers.sharded.row_fetch import chunk_rows, exchange_bytes, pack
 
 Box = tuple[tuple[int, int], ...]
 """``[start, stop)`` along every dimension of the whole tensor."""
@@ -221,17 +220,11 @@ def fetch_offers(offers: list[Offer], targets: dict[str, Any],
     for key in [k for k, v in targets.items() if not isinstance(v, torch.Tensor)]:
         targets[key] = _value_of(key, sources)
     with torch.no_grad():
-        send = [_pack([_offered(offers[slot], key, box) for (key, _, box), slot in
-                       moves(dest, rank)]) for dest in range(world)]
+        send = [pack([_offered(offers[slot], key, box) for (key, _, box), slot in
+                      moves(dest, rank)]) for dest in range(world)]
         sizes = [sum(_nbytes(box, piece.dtype) for (_, piece, box), _ in moves(rank, src))
                  for src in range(world)]
-        received = torch.empty(sum(sizes), dtype=torch.uint8)
-        work = dist.all_to_all_single(received, torch.cat(send), output_split_sizes=sizes,
-                                      input_split_sizes=[part.numel() for part in send],
-                                      group=group, async_op=True)
-        assert work is not None  # async_op=True always returns a Work
-        abort.wait(work.get_future())
-        for src, chunk in enumerate(torch.split(received, sizes)):
+        for src, chunk in enumerate(exchange_bytes(send, sizes, group)):
             offset = 0
             for (key, piece, box), _ in moves(rank, src):
                 size = _nbytes(box, piece.dtype)
@@ -270,9 +263,3 @@ def _value_of(key: str, sources: dict[int, dict[str, Any]]) -> Any:
 
 def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
-
-
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if not tensors:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])

@@ -156,17 +156,11 @@ def fetch_rows(sources: Sources, read: Callable[[int], dict[str, Any]], group: d
     with torch.no_grad():
         for entry in plan.get((rank, rank), []):  # rows this rank holds already
             mine(*entry).copy_(held_rows(*entry))
-        send = [_pack([held_rows(*entry) for entry in plan.get((dest, rank), [])])
-                if dest != rank else _pack([]) for dest in range(world)]
+        send = [pack([held_rows(*entry) for entry in plan.get((dest, rank), [])])
+                if dest != rank else pack([]) for dest in range(world)]
         sizes = [sum(spec.row_bytes * (hi - lo) for spec, _, lo, hi in plan.get((rank, src), []))
                  if src != rank else 0 for src in range(world)]
-        received = torch.empty(sum(sizes), dtype=torch.uint8)
-        work = dist.all_to_all_single(received, torch.cat(send), output_split_sizes=sizes,
-                                      input_split_sizes=[part.numel() for part in send],
-                                      group=group, async_op=True)
-        assert work is not None  # async_op=True always returns a Work
-        abort.wait(work.get_future())
-        for src, chunk in enumerate(torch.split(received, sizes)):
+        for src, chunk in enumerate(exchange_bytes(send, sizes, group)):
             offset = 0
             for entry in plan.get((rank, src), []) if src != rank else []:
                 rows = mine(*entry)
@@ -187,10 +181,29 @@ def _write_bytes(rows: torch.Tensor, data: torch.Tensor) -> None:
         rows.copy_(staged)
 
 
-def _pack(slices: list[torch.Tensor]) -> torch.Tensor:
+def pack(slices: list[torch.Tensor]) -> torch.Tensor:
+    """The slices' bytes, one after another (what one rank sends another in an exchange)."""
     if not slices:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.cat([s.contiguous().reshape(-1).view(torch.uint8) for s in slices])
+    return torch.cat([s.detach().contiguous().reshape(-1).view(torch.uint8) for s in slices])
+
+
+def exchange_bytes(send: list[torch.Tensor], sizes: list[int],
+                   group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """One all-to-all of bytes: ``send[r]`` goes to rank ``r``; what each rank ``r`` sent
+    here (``sizes[r]`` bytes), in rank order. Waits through the round's abort notice.
+
+    Raises:
+        RoundAbandoned: a newer round dropped a member while this waited.
+        RuntimeError: a peer's connection failed.
+    """
+    received = torch.empty(sum(sizes), dtype=torch.uint8)
+    work = dist.all_to_all_single(received, torch.cat(send), output_split_sizes=sizes,
+                                  input_split_sizes=[part.numel() for part in send],
+                                  group=group, async_op=True)
+    assert work is not None  # async_op=True always returns a Work
+    abort.wait(work.get_future())
+    return list(torch.split(received, sizes))
 
 
 def _check_piece(piece: Piece, index: int, sources: Sources, rows: list[RowSpec]) -> None:
