@@ -19,11 +19,10 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 from elastic_rt.events import Event
 from elastic_rt.harness import REPO, child_env, wait_until
-from tests.fixtures.described_reference import reference_params
+from tests.fixtures.described_reference import assert_outputs_equal_reference
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, exit_code, launch_args
 
@@ -63,13 +62,8 @@ def test_a_node_lost_is_replanned_to_pp3_from_the_survivors_with_no_step_lost(
     os.killpg(nodes["b"].pid, signal.SIGKILL)
     assert exit_code(nodes["a"], 180, tmp_path / "a.log", tmp_path / "events.jsonl") == 0
 
-    got: dict[str, torch.Tensor] = {}
-    for path in sorted((tmp_path / "out").glob("rank-*.pt")):
-        got.update(torch.load(path))
-    want = reference_params(steps=STEPS, global_batch=GLOBAL_BATCH, samples=SAMPLES)
-    assert set(got) == set(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
+    assert_outputs_equal_reference(tmp_path / "out", steps=STEPS, global_batch=GLOBAL_BATCH,
+                                   samples=SAMPLES)
 
     log = events(tmp_path / "events.jsonl")
     layouts = [e.metadata["layout"] for e in log if e.name == "groups.reformed" and e.rank == 0]
