@@ -249,8 +249,13 @@ class _ElasticLoop:
             return
         world = current.world_size if current is not None else 0
         is_full = current is not None and len(current.members) >= self.env.max_nodes > 0
-        if not is_full:
+        # a member without ranks (its workers replaced at the minimum node count) gets its
+        # ranks back; a spare replaces a lost member of a full round
+        is_member = current is not None and self.env.node_id in current.members
+        if not is_full or is_member:
             world += self.env.local_world_size
+        if world < 1:
+            return
         began = time.monotonic()
         self.trainer.prepare(plan_layout(world, self.options.limits))
         logger.info("built ahead of the round for %d ranks in %.2f s", world,
