@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import default_collate
@@ -48,7 +49,8 @@ from elastic_rt.worker.trainers.runtime_parallel.trainer import (  # noqa: E402
 )
 from scripts.examples import described_train as ex  # noqa: E402
 
-LAYOUTS = {"pp2": Layout(dp=1, pp=2), "tp2": Layout(dp=1, tp=2)}
+LAYOUTS = {"pp2": Layout(dp=1, pp=2), "tp2": Layout(dp=1, tp=2),
+           "fsdp2xtp2": Layout(dp=2, tp=2, shard=2)}
 MODEL: dict[str, Any] = {"width": 256, "depth": 4, "heads": 8, "seq": 64}
 GLOBAL_BATCH = 16
 
@@ -60,6 +62,10 @@ def _twin(layout: Layout, rank: int, groups: Any) -> Any:
     if layout.tp > 1:
         for block in model.layers:
             parallelize_module(block, groups.mesh["tp"], dict(ex.BLOCK_TP_PLAN))
+        if layout.shard > 1:  # torchtitan's order: TP, then FSDP2 per block and the root
+            for block in model.layers:
+                fully_shard(block, mesh=groups.shard_mesh)
+            fully_shard(model, mesh=groups.shard_mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
         def tp_step(ids: torch.Tensor, target: torch.Tensor) -> None:
@@ -95,8 +101,9 @@ def _worker(rank: int, port: int, name: str, steps: int, window: int, out: Any) 
     sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, seed=0)
     trainer = RuntimeParallelTrainer(lambda _: ex.describe(**MODEL), ModelParallel())
     trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=sampler, progress=Progress()))
+    sampler.set_world(ctx.dp_rank, ctx.dp_size)
     twin = _twin(layout, rank, groups)
-    batch = default_collate([data[i] for i in sampler.global_batch()])
+    batch = default_collate([data[i] for i in sampler.local_batch()])
     times: dict[str, list[float]] = {"runtime": [], "torch": []}
     for block in range(2 * steps // window):
         side = "runtime" if block % 2 else "torch"
@@ -104,7 +111,7 @@ def _worker(rank: int, port: int, name: str, steps: int, window: int, out: Any) 
         began = time.perf_counter()
         for _ in range(window):
             if side == "runtime":
-                trainer.train([(batch, GLOBAL_BATCH)], global_len=GLOBAL_BATCH, ctx=ctx, step=1)
+                trainer.train([(batch, len(batch[0]))], global_len=GLOBAL_BATCH, ctx=ctx, step=1)
             else:
                 twin(*batch)
         if block >= 2:  # the first of each side warms up
