@@ -317,3 +317,60 @@ def test_a_broken_streams_late_bytes_never_land_in_the_receivers_state() -> None
     _, receiver = run_workers(_late_bytes, 2, timeout_s=60)
     assert receiver["outcome"] == "abandoned"
     assert torch.equal(receiver["state"], torch.full((LATE_CHUNKS * 256,), 7.0))
+
+
+def _behind_then_holders_lost(env: WorkerEnv) -> dict[str, Any]:
+    """Ranks 0 and 1 hold step 3, rank 2 is one step behind (clean at step 2, as a rank
+    whose all-reduce had not completed when a peer died): it receives step 3 into fresh
+    tensors, which land as the holders' in the streamed step. Then the holders step once
+    more alone, and both die as the next stream to rank 2 begins (soak finding 13): rank 2
+    must still hold its step 4, clean, and keep it in a round of its own."""
+    ctx = _context(env, Layout(dp=env.nprocs), "/behind/")
+    trainer = ReplicatedTrainer(_build, _step, StepOptions(), chunk_bytes=CHUNK_BYTES)
+    progress, sampler = Progress(), ElasticSampler(64, global_batch_size=4, seed=0)
+    _restore(trainer, ctx, progress, sampler)
+    assert trainer.state is not None
+    _train(trainer.state, sampler, progress, 3 if env.rank < 2 else 2)
+    first = _restore(trainer, ctx, progress, sampler)
+    _streamed_step(trainer, ctx, progress, sampler, [0, 1], step=4)
+    landed = _held(trainer, progress, sampler)
+    if env.rank < 2:
+        _train(trainer.state, sampler, progress, 1)  # step 5, without rank 2
+    _restore(trainer, ctx, progress, sampler)
+    if env.rank < 2:  # both holders die as their step begins, the stream under way
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        _streamed_step(trainer, ctx, progress, sampler, [0, 1], step=5)
+        raise AssertionError("the step whose stream broke completed")
+    except RuntimeError:
+        pass
+    finally:
+        trainer.release()
+        abandon_groups(ctx.groups)
+    after_failure = {"step": progress.step, "dirty": progress.is_dirty}
+    kept = _held(trainer, progress, sampler)
+    groups = init_groups(env.store, rank=0, world_size=1, layout=Layout(dp=1),
+                         prefix="/behind-alone/", timeout=TIMEOUT)
+    ctx = dataclasses.replace(ctx, rank=0, world_size=1, layout=Layout(dp=1), groups=groups)
+    try:
+        alone = _restore(trainer, ctx, progress, sampler)
+        return {"first": list(first), "landed": landed, "after_failure": after_failure,
+                "kept": kept, "alone": list(alone)}
+    finally:
+        destroy_groups(groups)
+
+
+def test_a_rank_one_step_behind_keeps_its_state_until_the_newer_one_has_landed() -> None:
+    # without the staging copy, rank 2's tensors held half of step 5 after the failure
+    # and it restarted dirty: the job's state was lost (docs/soak.md, finding 13)
+    results = run_workers(_behind_then_holders_lost, 3, timeout_s=90,
+                          may_die=frozenset({0, 1}))
+    behind = results[2]
+    assert results[:2] == [None, None]
+    assert behind["first"][0] == "ranks 0,1"
+    assert behind["landed"]["step"] == 4
+    assert behind["after_failure"] == {"step": 4, "dirty": False}
+    assert behind["alone"][0] == "kept"
+    for name, tensor in behind["landed"]["tensors"].items():
+        assert torch.equal(behind["kept"]["tensors"][name], tensor), name
+    assert behind["kept"]["meta"] == behind["landed"]["meta"]

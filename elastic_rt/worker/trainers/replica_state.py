@@ -19,6 +19,7 @@ wait. A tensor a receiver lacks or holds in another shape or dtype is a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ import torch
 from elastic_rt.errors import ReplicaMismatchError
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.meta import TrainMeta
+
+logger = logging.getLogger(__name__)
 
 Signature = tuple[tuple[str, tuple[int, ...], str], ...]
 """(name, shape, dtype) of every tensor, in transfer order."""
@@ -81,8 +84,8 @@ def named_tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
 
 def receive_into(state: TrainState, outline: Outline) -> list[torch.Tensor]:
     """A receiver's tensors in the holders' order, ready to be written: its optimizer state
-    allocated (uninitialized; a rank that fell behind keeps its own tensors, so the state
-    is never held twice) and loaded with the holders' non-tensor part first.
+    allocated (uninitialized; a rank that fell behind keeps its own tensors) and loaded
+    with the holders' non-tensor part first.
 
     Raises:
         ReplicaMismatchError: the holders' optimizer or model differs from this rank's (a
@@ -120,6 +123,20 @@ def receive_into(state: TrainState, outline: Outline) -> list[torch.Tensor]:
             raise _mismatch(name, shape, dtype, tensor)
         tensors.append(tensor)
     return tensors
+
+
+def staging_for(outline: Outline) -> list[torch.Tensor] | None:
+    """Fresh tensors for every tensor of ``outline``, for a receiver that keeps its own
+    state until the stream has landed (one more state in memory, on that rank, for one
+    step); None where the memory is not there, and the receiver writes its own tensors."""
+    try:
+        return [torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")),
+                            device=torch.device(kind))  # cuda: the current device
+                for (_, shape, dtype), kind in zip(outline.signature, outline.devices)]
+    except (MemoryError, torch.OutOfMemoryError):
+        logger.warning("no memory to keep this rank's own state while the newer one "
+                       "arrives; receiving into it")
+        return None
 
 
 def _mismatch(name: str, shape: tuple[int, ...], dtype: str,
