@@ -87,9 +87,9 @@ class CountingKV:
         self.counter.add("grant_lease")
         return self.inner.grant_lease(ttl_seconds)
 
-    def refresh_lease(self, lease_id: int) -> bool:
+    def refresh_lease(self, lease_id: int, *, timeout: float | None = None) -> bool:
         self.counter.add("refresh_lease")
-        return self.inner.refresh_lease(lease_id)
+        return self.inner.refresh_lease(lease_id, timeout=timeout)
 
     def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
         """Counted per lease as ``refresh_lease``: each is a keep-alive etcd handles."""

@@ -264,8 +264,15 @@ class EtcdKV:
         return int(self._client.lease(ttl_seconds).id)
 
     @_translated
-    def refresh_lease(self, lease_id: int) -> bool:
-        responses = list(self._client.refresh_lease(lease_id))
+    def refresh_lease(self, lease_id: int, *, timeout: float | None = None) -> bool:
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+
+        def renew() -> list[Any]:
+            return list(self._client.leasestub.LeaseKeepAlive(
+                iter([request]), timeout or self._timeout,
+                credentials=self._client.call_credentials, metadata=self._client.metadata))
+
+        responses = self._failing_over(renew)
         return bool(responses) and int(responses[0].TTL) > 0
 
     @_translated

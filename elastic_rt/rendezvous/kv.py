@@ -138,8 +138,11 @@ class KVStore(Protocol):
 
     def grant_lease(self, ttl_seconds: int) -> int: ...
 
-    def refresh_lease(self, lease_id: int) -> bool:
-        """Keep a lease alive; False when it has already expired."""
+    def refresh_lease(self, lease_id: int, *, timeout: float | None = None) -> bool:
+        """Keep a lease alive; False when it has already expired. ``timeout``: the most
+        seconds the call may take (the store's default when None): a keeper of a short
+        lease gives much less than the lease's life, so that a member that takes the call
+        but cannot answer it (restarting, or without a leader) leaves time to try another."""
         ...
 
     def refresh_leases(self, lease_ids: Sequence[int]) -> list[bool]:
