@@ -36,15 +36,11 @@ from elastic_rt.worker.trainers.runtime_parallel.copy_sources import (
     needs_copies,
     ring_shift,
 )
+from elastic_rt.worker.trainers.runtime_parallel.sharding import piece_of
 from elastic_rt.worker.trainers.runtime_step import initialize_optimizer_state
 from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring, Snapshot
 
 logger = logging.getLogger(__name__)
-
-
-def _part(ctx: Context, rank: int) -> Part:
-    coords = ctx.layout.coords(rank)
-    return coords.pp, coords.tp
 
 
 def named_part(state: TrainState) -> tuple[dict[str, Any], bool]:
@@ -87,9 +83,7 @@ class PartCopies:
 
     def start(self, ctx: Context) -> None:
         """This round's ring, where one node's loss could take a part (collective)."""
-        if not self.every or ctx.layout.shard > 1:
-            # FSDP / HSDP pieces of this family have no copies yet: a piece lost with its
-            # only holder comes back from the checkpoint (docs/parallelism.md)
+        if not self.every:
             return
         nodes = gather_nodes(ctx.node_id, ctx.groups.world)  # nodes may differ in size
         shift = ring_shift(nodes)
@@ -101,10 +95,10 @@ class PartCopies:
         group = side_group(ctx.groups.world, group_timeout(ctx.groups.dp))
         assert group is not None  # the round's groups exist
         holder, source = (ctx.rank + shift) % ctx.world_size, (ctx.rank - shift) % ctx.world_size
-        parts = ctx.layout.pp * ctx.layout.tp
-        (opp, otp), (spp, stp) = _part(ctx, ctx.rank), _part(ctx, source)
-        ring = Ring(to=holder, source=source, count=parts, own_index=opp * ctx.layout.tp + otp,
-                    peer_index=spp * ctx.layout.tp + stp)
+        (pieces, width), (opp, otp) = piece_of(ctx.layout, ctx.rank)
+        _, (spp, stp) = piece_of(ctx.layout, source)
+        ring = Ring(to=holder, source=source, count=pieces * width, own_index=opp * width + otp,
+                    peer_index=spp * width + stp)
         self.round = PeerCopies(group, ring, every=self.every)
 
     def refresh(self, ctx: Context, committed: int, state: TrainState,
@@ -118,9 +112,9 @@ class PartCopies:
         copies = self.round
         if copies is None or not (force or copies.is_due(committed)):
             return
-        cut = (ctx.layout.pp, ctx.layout.tp)
         meta = TrainMeta.capture(step=committed, sampler=sampler, state=state)
-        copies.refresh(committed, _piece(state, cut, _part(ctx, ctx.rank)), meta.encode())
+        copies.refresh(committed, _piece(state, *piece_of(ctx.layout, ctx.rank)),
+                       meta.encode())
 
     def stop(self) -> None:
         """End this round's exchange; keep the snapshots whose exchange completed."""

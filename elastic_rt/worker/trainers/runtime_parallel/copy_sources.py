@@ -65,9 +65,12 @@ def pick_sources(holders: list[Holder], copies: list[list[Copy]]) -> Choice | No
 
 def needs_copies(layout: Layout, nodes: list[str]) -> bool:
     """Whether one node's loss can take every holder of a part (no replica on another node):
-    then each rank keeps a copy of its ring neighbour's part. ``nodes[r]`` is rank ``r``'s."""
-    return any(len({nodes[layout.rank_of(pp, dp, tp)] for dp in range(layout.dp)}) == 1
-               for pp in range(layout.pp) for tp in range(layout.tp))
+    then each rank keeps a copy of its ring neighbour's part. ``nodes[r]`` is rank ``r``'s.
+    Sharded, a part is one piece: its holders are the same piece in each replica."""
+    holders = ([[layout.rank_of(pp, dp, tp) for dp in range(layout.dp)]
+                for pp in range(layout.pp) for tp in range(layout.tp)]
+               if layout.shard == 1 else layout.replicate_groups())
+    return any(len({nodes[rank] for rank in ranks}) == 1 for ranks in holders)
 
 
 def ring_shift(nodes: list[str]) -> int | None:

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from elastic_rt.layout import Layout
-from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder
+from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder, Part
 from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
 from elastic_rt.worker.trainers.runtime_parallel.stages import RankModules
 
@@ -60,6 +60,14 @@ def holder_of(*, step: int, is_clean: bool, layout: Layout | None, rank: int | N
     holder = Holder.of(step=step, is_clean=is_clean, layout=layout, rank=rank)
     if layout is None or rank is None or layout.shard == 1 or holder.part is None:
         return holder
-    pp, tp = holder.part
-    part = (pp, layout.shard_index(rank) * layout.tp + tp)
-    return Holder(holder.step, holder.last_step, part, (layout.pp, layout.tp * layout.shard))
+    cut, part = piece_of(layout, rank)
+    return Holder(holder.step, holder.last_step, part, cut)
+
+
+def piece_of(layout: Layout, rank: int) -> tuple[Part, Part]:
+    """``(cut, part)`` of what ``rank`` holds: its ``(pp, tp)`` part of the cut
+    ``(pp, tp)``, or, sharded, piece ``i`` of it as part ``(pp, i * tp + tp_i)`` of the cut
+    ``(pp, tp * shard)`` (:func:`holder_of`, the peer copies)."""
+    coords = layout.coords(rank)
+    return ((layout.pp, layout.tp * layout.shard),
+            (coords.pp, layout.shard_index(rank) * layout.tp + coords.tp))
