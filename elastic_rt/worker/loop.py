@@ -157,7 +157,9 @@ def run(
         collate: turns a micro-batch's samples into a batch (``loader`` overrides it).
         loader: ``DataLoader`` settings (worker processes, prefetch, pinned memory).
         grad_sync: gradient bucket sizes and the reduction hook.
-        autocast_dtype: run ``step`` under autocast (float16 adds a GradScaler).
+        autocast_dtype: run ``step`` under autocast (float16 adds a GradScaler);
+            under FSDP, its mixed precision. With ``model_parallel`` bfloat16 only:
+            FSDP's mixed precision in a sharded round, autocast in the others.
         clip_grad_norm: clip the averaged gradients to this global norm.
         on_step: called after every committed step with a :class:`StepReport`
             (costs one small all-reduce per step for the global loss).

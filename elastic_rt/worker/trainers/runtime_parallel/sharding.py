@@ -22,7 +22,7 @@ of one cut has a clean holder.
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from elastic_rt.layout import Layout
 from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder
@@ -30,13 +30,15 @@ from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescrip
 from elastic_rt.worker.trainers.runtime_parallel.stages import RankModules
 
 
-def shard_stages(description: ModelDescription, modules: RankModules, mesh: DeviceMesh) -> None:
-    """``fully_shard`` this rank's blocks, then each of its stages, over ``mesh``. Collective
-    over the shard mesh's groups (FSDP2 reads its ranks' coordinates only: no traffic)."""
+def shard_stages(description: ModelDescription, modules: RankModules, mesh: DeviceMesh, *,
+                 policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
+    """``fully_shard`` this rank's blocks, then each of its stages, over ``mesh`` with
+    ``policy`` (``precision.fsdp_policy``). Collective over the shard mesh's groups (FSDP2
+    reads its ranks' coordinates only: no traffic)."""
     held = {id(m) for m in modules.local.modules()}
     units = [block for block in description.blocks if id(block) in held] + modules.stages
     for unit in units:
-        fully_shard(unit, mesh=mesh)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
     # the stages are not in `modules.local`'s tree (they share its parts): set each unit
     for unit in units:
         assert isinstance(unit, FSDPModule)  # fully_shard made it one
