@@ -150,7 +150,8 @@ def run(
         global_batch_size: samples per optimizer step over all ranks; fixed.
         checkpoint: saves every ``every_steps`` and restores when no replica survives.
         micro_batch_size: the most samples per forward/backward (accumulation);
-            only with ``step`` (an object owning its step splits its own share).
+            with ``model_parallel`` the pipeline's micro-batches, or at pp1 one
+            forward/backward each, reduced once; not with an object owning its step.
         limits: what the model allows; the layout is planned from it every round.
         max_failed_steps: the same step failing this often is raised, not retried.
         reform_timeout: the most to wait for a round that includes this node.

@@ -62,7 +62,8 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
     trainer = RuntimeParallelTrainer(lambda layout: dm.describe(dtype=dtype),
                                      ModelParallel(**options),
                                      copy_every=copy_every, clip_grad_norm=clip,
-                                     autocast_dtype=autocast_dtype)
+                                     autocast_dtype=autocast_dtype,
+                                     accumulates=micro_batch_size is not None)
     checkpoint = Checkpointer(checkpoint_url, async_save=False) if checkpoint_url else None
     sources = []
     for number, (spec, steps) in enumerate(rounds):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elastic_rt.harness import described_model as dm
-from tests.fixtures.torchdist import run_workers
+from tests.fixtures.torchdist import WorkerEnv, run_workers
 from tests.integration.test_runtime_parallel import GLOBAL_BATCH, SAMPLES, _check, _rounds
 
 pytestmark = pytest.mark.slow
@@ -73,8 +73,41 @@ def test_clipping_uses_the_whole_models_norm_in_every_layout(layout: dict[str, i
     _check(results, 3, clip=0.05)
 
 
+def _counted(env: WorkerEnv, *args: Any) -> dict[str, Any]:
+    """``_rounds``, counting on this rank the micro-batches' losses (one per forward) and
+    the reduce-scatters FSDP issues."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from elastic_rt.worker.trainers.runtime_parallel.trainer import (
+        RuntimeParallelTrainer as Trainer,
+    )
+
+    # FSDP looks the collective up on the module at each call
+    with mock.patch.object(dist, "reduce_scatter_single",
+                           wraps=dist.reduce_scatter_single) as reduces, \
+            mock.patch.object(Trainer, "_loss", autospec=True,
+                              side_effect=Trainer._loss) as losses:
+        result = _rounds(env, *args)
+    return {**result, "reduce_scatters": reduces.call_count, "losses": losses.call_count}
+
+
+@pytest.mark.parametrize("layout, counts", [
+    ({"dp": 2, "tp": 2, "shard": 2}, [2] * 4),  # shares of 4: 2 micro-batches each
+    ({"dp": 3, "shard": 3}, [2, 2, 1]),  # shares of 3, 3 and 2
+], ids=["fsdp2xtp2", "fsdp3-uneven"])
+def test_micro_batches_accumulate_under_fsdp_and_reduce_once_per_step(
+        layout: dict[str, int], counts: list[int]) -> None:
+    results = run_workers(_counted, len(counts), args=([(layout, 3)], {}, 2), timeout_s=90)
+    _check(results, 3)
+    assert [r["losses"] for r in results] == [3 * n for n in counts]  # a forward each
+    # 5 FSDP units (4 blocks, the stage root), each reduced once in each of 3 steps
+    assert [r["reduce_scatters"] for r in results] == [5 * 3] * len(counts)
+
+
 def test_bfloat16_trains_sharded_by_fsdps_policy_and_unsharded_under_autocast() -> None:
-    # fsdp2xtp2 (FSDP's MixedPrecisionPolicy), pp2xfsdp2 (the
+    # fsdp2xtp2 (FSDP's MixedPrecisionPolicy, micro-batches accumulated), pp2xfsdp2 (the
     # policy under the schedule), then pp2xtp2 (autocast around the schedule's step), on a
     # float32 model
     rounds = [({"dp": 2, "tp": 2, "shard": 2}, 2), ({"dp": 2, "pp": 2, "shard": 2}, 1),

@@ -190,11 +190,12 @@ def test_model_parallel_picks_the_runtime_parallel_family() -> None:
     from elastic_rt.worker.trainers import StepOptions, choose
     from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
 
-    options = StepOptions(autocast_dtype=torch.bfloat16, clip_grad_norm=1.0)
+    options = StepOptions(autocast_dtype=torch.bfloat16, accumulates=True, clip_grad_norm=1.0)
     trainer = choose(build=lambda layout: None, step=None, limits=ModelLimits(),
                      options=options, peer_copy_every=1, model_parallel=ModelParallel())
     assert isinstance(trainer, RuntimeParallelTrainer)
-    assert (trainer.autocast_dtype, trainer.clip_grad_norm) == (torch.bfloat16, 1.0)
+    assert (trainer.autocast_dtype, trainer.accumulates, trainer.clip_grad_norm) == (
+        torch.bfloat16, True, 1.0)
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -71,7 +71,12 @@ from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescrip
 from elastic_rt.worker.trainers.runtime_parallel.grads import sum_gradients
 from elastic_rt.worker.trainers.runtime_parallel.precision import autocast, fsdp_policy
 from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel, Pipeline
-from elastic_rt.worker.trainers.runtime_parallel.sharding import holder_of, shard_stages
+from elastic_rt.worker.trainers.runtime_parallel.sharding import (
+    holder_of,
+    keep_gathered,
+    reduce_on,
+    shard_stages,
+)
 from elastic_rt.worker.trainers.runtime_parallel.stages import (
     RankModules,
     device_of,
@@ -91,13 +96,15 @@ class RuntimeParallelTrainer:
 
     Args:
         autocast_dtype: compute in this dtype (bfloat16; see the module's docstring).
+        accumulates: a step may bring several micro-batches (``micro_batch_size`` is
+            set): under FSDP at ``pp == 1`` each runs its own forward and backward.
     """
 
     def __init__(self, build: BuildFn, options: ModelParallel, *, copy_every: int = 1,
-                 clip_grad_norm: float | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+                 clip_grad_norm: float | None = None, autocast_dtype: torch.dtype | None = None,
+                 accumulates: bool = False) -> None:
         self.build, self.options, self.clip_grad_norm = build, options, clip_grad_norm
-        self.autocast_dtype = autocast_dtype
+        self.autocast_dtype, self.accumulates = autocast_dtype, accumulates
         self.copies = PartCopies(copy_every)
         self.sampler: ElasticSampler | None = None
         self.description: ModelDescription | None = None
@@ -206,6 +213,8 @@ class RuntimeParallelTrainer:
             assert ctx.groups.shard_mesh is not None  # made by init_groups for shard > 1
             shard_stages(described, modules, ctx.groups.shard_mesh,
                          policy=fsdp_policy(self.autocast_dtype))
+            if self.accumulates and ctx.layout.pp == 1:  # a schedule keeps its own
+                keep_gathered(modules.stages)
         state = TrainState(model=modules.local, optimizer=described.optimizer(
             local_params(modules)))
         self.description, self.modules, self.state = described, modules, state
@@ -252,8 +261,6 @@ class RuntimeParallelTrainer:
                 with autocast(self.autocast_dtype, ctx.layout, device.type):
                     self.pipeline.step(inputs, target, n)
             elif samples:
-                if ctx.layout.shard > 1:  # one backward: FSDP's collectives once per rank
-                    micro_batches = [(_joined(micro_batches), samples)]
                 self._backward_each(micro_batches, ctx.layout, device)
         loss_sum = self._loss_sum(ctx)
         if ctx.layout.shard == 1:  # else FSDP reduced them in backward
@@ -266,9 +273,12 @@ class RuntimeParallelTrainer:
 
     def _backward_each(self, micro_batches: list[tuple[Any, int]], layout: Layout,
                        device: torch.device) -> None:
-        """A forward and backward per micro-batch (``pp == 1``)."""
+        """A forward and backward per micro-batch (``pp == 1``); under FSDP only the last
+        backward reduces (``sharding.reduce_on``: the counts may differ between ranks)."""
         assert self.modules is not None
-        for batch, _ in micro_batches:
+        for i, (batch, _) in enumerate(micro_batches):
+            if layout.shard > 1:
+                reduce_on(self.modules.stages, is_last_backward=i == len(micro_batches) - 1)
             with autocast(self.autocast_dtype, layout, device.type):
                 loss = self._loss(_forward(self.modules, batch[0]), batch[1])
             loss.backward()
