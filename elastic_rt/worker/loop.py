@@ -150,14 +150,17 @@ def run(
         global_batch_size: samples per optimizer step over all ranks; fixed.
         checkpoint: saves every ``every_steps`` and restores when no replica survives.
         micro_batch_size: the most samples per forward/backward (accumulation);
-            only with ``step`` (an object owning its step splits its own share).
+            with ``model_parallel`` the pipeline's micro-batches, or at pp1 one
+            forward/backward each, reduced once; not with an object owning its step.
         limits: what the model allows; the layout is planned from it every round.
         max_failed_steps: the same step failing this often is raised, not retried.
         reform_timeout: the most to wait for a round that includes this node.
         collate: turns a micro-batch's samples into a batch (``loader`` overrides it).
         loader: ``DataLoader`` settings (worker processes, prefetch, pinned memory).
         grad_sync: gradient bucket sizes and the reduction hook.
-        autocast_dtype: run ``step`` under autocast (float16 adds a GradScaler).
+        autocast_dtype: run ``step`` under autocast (float16 adds a GradScaler);
+            under FSDP, its mixed precision. With ``model_parallel`` bfloat16 only:
+            FSDP's mixed precision in a sharded round, autocast in the others.
         clip_grad_norm: clip the averaged gradients to this global norm.
         on_step: called after every committed step with a :class:`StepReport`
             (costs one small all-reduce per step for the global loss).

@@ -75,12 +75,13 @@ class RunOptions:
         if not self.is_step_owned:
             raise ConfigError("step is set with model_parallel",
                               "Pass step=None: the loss is ModelDescription.loss.")
-        # max_shard is the family's own (FSDP over dp, composed with pp and tp), and so is
-        # clip_grad_norm (over the whole model's norm); mixed precision is not yet
-        if self.autocast_dtype is not None:
-            raise ConfigError("autocast_dtype with model_parallel",
-                              "Leave it unset: the runtime-parallel family trains in full "
-                              "precision for now.")
+        # max_shard is the family's own (FSDP over dp, composed with pp and tp), and so are
+        # clip_grad_norm (over the whole model's norm) and bfloat16 (FSDP's mixed precision
+        # when sharded, autocast when not). float16 needs a GradScaler whose overflow check
+        # agrees across every stage, tp piece and shard: there is none.
+        if self.autocast_dtype == torch.float16:
+            raise ConfigError("autocast_dtype=torch.float16 with model_parallel",
+                              "Pass autocast_dtype=torch.bfloat16 (it needs no loss scaler).")
 
     @property
     def is_sharded(self) -> bool:

@@ -40,7 +40,8 @@ def _ctx(env: WorkerEnv, layout: Any, number: int) -> Any:
 def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
             options: dict[str, Any], micro_batch_size: int | None,
             checkpoint_url: str | None = None, copy_every: int = 1,
-            clip: float | None = None) -> dict[str, Any]:
+            clip: float | None = None, autocast_dtype: torch.dtype | None = None
+            ) -> dict[str, Any]:
     """Train each ``(layout, steps)`` in turn, saving a checkpoint at the end of each when
     ``checkpoint_url`` is given; the parameters at the end, whole, by name. Each rank is a
     node of its own: parts without a replica are copied to the next rank (``copy_every``)."""
@@ -52,12 +53,17 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
     from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
     from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
 
-    data = dm.Sequences(SAMPLES)
+    # autocast leaves float64 alone: a mixed-precision run trains a float32 model
+    dtype = torch.float64 if autocast_dtype is None else torch.float32
+    data = dm.Sequences(SAMPLES, dtype=dtype)
     sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0,
                              micro_batch_size=micro_batch_size)
     progress = Progress()
-    trainer = RuntimeParallelTrainer(lambda layout: dm.describe(), ModelParallel(**options),
-                                     copy_every=copy_every, clip_grad_norm=clip)
+    trainer = RuntimeParallelTrainer(lambda layout: dm.describe(dtype=dtype),
+                                     ModelParallel(**options),
+                                     copy_every=copy_every, clip_grad_norm=clip,
+                                     autocast_dtype=autocast_dtype,
+                                     accumulates=micro_batch_size is not None)
     checkpoint = Checkpointer(checkpoint_url, async_save=False) if checkpoint_url else None
     sources = []
     for number, (spec, steps) in enumerate(rounds):

@@ -31,6 +31,9 @@ SHARDED_FP16 = ("autocast_dtype=torch.float16 with a sharded layout (max_shard >
     ({"is_step_owned": True, "autocast_dtype": torch.bfloat16}, *OWNED_AMP),
     ({"is_step_owned": True, "clip_grad_norm": 1.0}, *OWNED_AMP),
     ({"limits": FSDP, "autocast_dtype": torch.float16}, *SHARDED_FP16),
+    ({"is_step_owned": True, "is_runtime_parallel": True, "autocast_dtype": torch.float16},
+     "autocast_dtype=torch.float16 with model_parallel",
+     "Pass autocast_dtype=torch.bfloat16 (it needs no loss scaler)."),
 ])
 def test_a_combination_that_cannot_train_is_refused_in_one_line(
         fields: dict[str, Any], problem: str, fix: str) -> None:
@@ -46,6 +49,8 @@ def test_what_can_train_is_accepted_and_frozen() -> None:
     owned = RunOptions(global_batch_size=8, max_steps=10, is_step_owned=True, limits=FSDP)
     plain = RunOptions(global_batch_size=1, max_steps=10, micro_batch_size=1,
                        autocast_dtype=torch.bfloat16)
+    RunOptions(global_batch_size=8, max_steps=10, is_step_owned=True, is_runtime_parallel=True,
+               limits=FSDP, micro_batch_size=2, autocast_dtype=torch.bfloat16)
     assert (sharded.is_sharded, owned.is_sharded, plain.is_sharded) == (True, False, False)
     with pytest.raises(FrozenInstanceError):
         plain.max_steps = 11  # type: ignore[misc]

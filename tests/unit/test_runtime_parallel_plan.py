@@ -190,14 +190,17 @@ def test_model_parallel_picks_the_runtime_parallel_family() -> None:
     from elastic_rt.worker.trainers import StepOptions, choose
     from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
 
+    options = StepOptions(autocast_dtype=torch.bfloat16, accumulates=True, clip_grad_norm=1.0)
     trainer = choose(build=lambda layout: None, step=None, limits=ModelLimits(),
-                     options=StepOptions(), peer_copy_every=1, model_parallel=ModelParallel())
+                     options=options, peer_copy_every=1, model_parallel=ModelParallel())
     assert isinstance(trainer, RuntimeParallelTrainer)
+    assert (trainer.autocast_dtype, trainer.accumulates, trainer.clip_grad_norm) == (
+        torch.bfloat16, True, 1.0)
 
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"is_step_owned": False}, "step is set with model_parallel"),
-    ({"autocast_dtype": torch.bfloat16}, "autocast_dtype with model_parallel"),
+    ({"autocast_dtype": torch.float16}, "float16 with model_parallel"),
 ])
 def test_run_options_refuse_what_the_family_cannot_train(kwargs: dict[str, Any],
                                                          words: str) -> None:
@@ -211,7 +214,7 @@ def test_run_options_refuse_what_the_family_cannot_train(kwargs: dict[str, Any],
                micro_batch_size=2)  # micro-batches are the pipeline's
     RunOptions(global_batch_size=8, max_steps=1, is_step_owned=True, is_runtime_parallel=True,
                limits=ModelLimits(max_pp=2, max_shard=4),  # FSDP over dp, with pp and tp
-               clip_grad_norm=1.0)
+               clip_grad_norm=1.0, autocast_dtype=torch.bfloat16)
 
 
 def test_each_fsdp_piece_of_a_part_needs_a_holder_and_hsdp_replicas_give_one() -> None:

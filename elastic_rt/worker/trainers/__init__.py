@@ -57,7 +57,9 @@ def choose(*, build: BuildFn, step: StepFn | None, limits: ModelLimits, options:
     """
     if model_parallel is not None:
         return RuntimeParallelTrainer(build, model_parallel, copy_every=peer_copy_every,
-                                      clip_grad_norm=options.clip_grad_norm)
+                                      clip_grad_norm=options.clip_grad_norm,
+                                      autocast_dtype=options.autocast_dtype,
+                                      accumulates=options.accumulates)
     if step is None:
         return OwnedStepTrainer(build)
     if limits.max_shard > 1:

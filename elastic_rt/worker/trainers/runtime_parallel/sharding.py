@@ -14,6 +14,21 @@ micro-batch's loss is already weighted by its share of the global batch. So the 
 sums nothing over dp itself, and the step stays atomic: every collective comes before
 the optimizer step.
 
+Gradient accumulation at ``pp == 1`` (:func:`keep_gathered`, :func:`reduce_on`): one
+forward and backward per micro-batch, reduced only in the last backward. Ranks of one
+shard group may get different numbers of micro-batches (the sampler splits a global batch
+of 8 over 3 ranks as 3, 3, 2; by 2, that is 2, 2 and 1 micro-batches), and FSDP's
+collectives must match rank for rank, so the gathered parameters are kept from the step's
+first forward to its last backward: every rank all-gathers once (first forward) and
+reduce-scatters once (last backward), whatever its count, as ``sharded/fsdp.py``'s
+``ShardedGradients`` does. The cost is each unit's unsharded parameters during the step, no
+more than the unsharded gradients FSDP's unsynced backward keeps anyway. With ``pp > 1``
+torch's ``PipelineStage`` does the same itself (``backward_maybe_with_nosync`` turns the
+sync off for every micro-batch, ``perform_reduce_grad`` reduces once after the last; torch
+2.13). A step that fails part-way leaves parameters gathered; a restore still reads the
+shards (FSDP's state-dict hooks reshard first; tried: a forward left mid-step under
+``fsdp2xtp2``, then survivors restored the state equal to one process).
+
 Restore: a rank's *part* is its ``(pp, tp)`` cut and its shard index; :func:`holder_of`
 counts each shard piece as a part of its own, so survivors restore only when every piece
 of one cut has a clean holder.
@@ -22,27 +37,49 @@ of one cut has a clean holder.
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from elastic_rt.layout import Layout
 from elastic_rt.worker.trainers.model_parallel.part_broadcast import Holder, Part
 from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
-from elastic_rt.worker.trainers.runtime_parallel.stages import RankModules
+from elastic_rt.worker.trainers.runtime_parallel.stages import RankModules, StageModule
 
 
-def shard_stages(description: ModelDescription, modules: RankModules, mesh: DeviceMesh) -> None:
-    """``fully_shard`` this rank's blocks, then each of its stages, over ``mesh``. Collective
-    over the shard mesh's groups (FSDP2 reads its ranks' coordinates only: no traffic)."""
+def shard_stages(description: ModelDescription, modules: RankModules, mesh: DeviceMesh, *,
+                 policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
+    """``fully_shard`` this rank's blocks, then each of its stages, over ``mesh`` with
+    ``policy`` (``precision.fsdp_policy``). Collective over the shard mesh's groups (FSDP2
+    reads its ranks' coordinates only: no traffic)."""
     held = {id(m) for m in modules.local.modules()}
     units = [block for block in description.blocks if id(block) in held] + modules.stages
     for unit in units:
-        fully_shard(unit, mesh=mesh)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
     # the stages are not in `modules.local`'s tree (they share its parts): set each unit
     for unit in units:
         assert isinstance(unit, FSDPModule)  # fully_shard made it one
         # A plain sum (gloo has no pre-multiplied sum): losses are weighted by share.
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
+
+
+def keep_gathered(stages: list[StageModule]) -> None:
+    """Keep every unit's gathered parameters after forward (accumulation at ``pp == 1``):
+    a step's later micro-batches then issue no all-gather."""
+    for stage in stages:
+        _fsdp(stage).set_reshard_after_forward(False)  # recurses into the blocks
+
+
+def reduce_on(stages: list[StageModule], *, is_last_backward: bool) -> None:
+    """Reduce the gradients in the next backward only if it is the step's last; until then
+    they accumulate unreduced and the parameters stay gathered."""
+    for stage in stages:
+        _fsdp(stage).set_requires_gradient_sync(is_last_backward)
+        _fsdp(stage).set_reshard_after_backward(is_last_backward)
+
+
+def _fsdp(stage: StageModule) -> FSDPModule:
+    assert isinstance(stage, FSDPModule)  # shard_stages made it one
+    return stage
 
 
 def holder_of(*, step: int, is_clean: bool, layout: Layout | None, rank: int | None) -> Holder:

@@ -28,6 +28,9 @@ A step is atomic: the pipeline's sends and receives, the loss broadcast and the 
 all-reduce over the dp group (FSDP's reduce-scatter in backward when sharded) all come
 before the optimizer step, so a step that raised leaves every rank's state at the last
 committed step.
+
+``autocast_dtype`` (bfloat16) is FSDP's mixed precision in a sharded round and autocast in
+an unsharded one (``precision.py``).
 """
 
 from __future__ import annotations
@@ -66,8 +69,14 @@ from elastic_rt.worker.trainers.runtime_parallel.copies import PartCopies, named
 from elastic_rt.worker.trainers.runtime_parallel.copy_sources import Choice, gather, pick_sources
 from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
 from elastic_rt.worker.trainers.runtime_parallel.grads import sum_gradients
+from elastic_rt.worker.trainers.runtime_parallel.precision import autocast, fsdp_policy
 from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel, Pipeline
-from elastic_rt.worker.trainers.runtime_parallel.sharding import holder_of, shard_stages
+from elastic_rt.worker.trainers.runtime_parallel.sharding import (
+    holder_of,
+    keep_gathered,
+    reduce_on,
+    shard_stages,
+)
 from elastic_rt.worker.trainers.runtime_parallel.stages import (
     RankModules,
     device_of,
@@ -83,11 +92,19 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class RuntimeParallelTrainer:
-    """This rank's stages of a described model, rebuilt and restored every round."""
+    """This rank's stages of a described model, rebuilt and restored every round.
+
+    Args:
+        autocast_dtype: compute in this dtype (bfloat16; see the module's docstring).
+        accumulates: a step may bring several micro-batches (``micro_batch_size`` is
+            set): under FSDP at ``pp == 1`` each runs its own forward and backward.
+    """
 
     def __init__(self, build: BuildFn, options: ModelParallel, *, copy_every: int = 1,
-                 clip_grad_norm: float | None = None) -> None:
+                 clip_grad_norm: float | None = None, autocast_dtype: torch.dtype | None = None,
+                 accumulates: bool = False) -> None:
         self.build, self.options, self.clip_grad_norm = build, options, clip_grad_norm
+        self.autocast_dtype, self.accumulates = autocast_dtype, accumulates
         self.copies = PartCopies(copy_every)
         self.sampler: ElasticSampler | None = None
         self.description: ModelDescription | None = None
@@ -194,7 +211,10 @@ class RuntimeParallelTrainer:
         split_tensors(described, modules, tp_mesh)
         if ctx.layout.shard > 1:
             assert ctx.groups.shard_mesh is not None  # made by init_groups for shard > 1
-            shard_stages(described, modules, ctx.groups.shard_mesh)
+            shard_stages(described, modules, ctx.groups.shard_mesh,
+                         policy=fsdp_policy(self.autocast_dtype))
+            if self.accumulates and ctx.layout.pp == 1:  # a schedule keeps its own
+                keep_gathered(modules.stages)
         state = TrainState(model=modules.local, optimizer=described.optimizer(
             local_params(modules)))
         self.description, self.modules, self.state = described, modules, state
@@ -237,12 +257,11 @@ class RuntimeParallelTrainer:
                 n = self.options.microbatches(loop_count=len(micro_batches), samples=samples,
                                               stages=self.modules.num_stages,
                                               pp=ctx.layout.pp)
-                self.pipeline.step(inputs, target, n)
+                # the schedule runs forward and backward in one call
+                with autocast(self.autocast_dtype, ctx.layout, device.type):
+                    self.pipeline.step(inputs, target, n)
             elif samples:
-                if ctx.layout.shard > 1:  # one backward: FSDP's collectives once per rank
-                    micro_batches = [(_joined(micro_batches), samples)]
-                for batch, _ in micro_batches:
-                    self._loss(_forward(self.modules, batch[0]), batch[1]).backward()
+                self._backward_each(micro_batches, ctx.layout, device)
         loss_sum = self._loss_sum(ctx)
         if ctx.layout.shard == 1:  # else FSDP reduced them in backward
             sum_gradients(local_params(self.modules), ctx.groups.dp)
@@ -251,6 +270,18 @@ class RuntimeParallelTrainer:
                            ctx.groups.world)
         self.state.optimizer.step()  # after every collective of the step: it is atomic
         return (loss_sum / samples if samples else math.nan), loss_sum / global_len
+
+    def _backward_each(self, micro_batches: list[tuple[Any, int]], layout: Layout,
+                       device: torch.device) -> None:
+        """A forward and backward per micro-batch (``pp == 1``); under FSDP only the last
+        backward reduces (``sharding.reduce_on``: the counts may differ between ranks)."""
+        assert self.modules is not None
+        for i, (batch, _) in enumerate(micro_batches):
+            if layout.shard > 1:
+                reduce_on(self.modules.stages, is_last_backward=i == len(micro_batches) - 1)
+            with autocast(self.autocast_dtype, layout, device.type):
+                loss = self._loss(_forward(self.modules, batch[0]), batch[1])
+            loss.backward()
 
     def _loss_sum(self, ctx: Context) -> float:
         """The summed loss of this rank's samples, known on every stage (the last one's)."""
