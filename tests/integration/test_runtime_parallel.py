@@ -40,10 +40,18 @@ def _ctx(env: WorkerEnv, layout: Any, number: int) -> Any:
 def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
             options: dict[str, Any], micro_batch_size: int | None,
             checkpoint_url: str | None = None, copy_every: int = 1,
-            clip: float | None = None) -> dict[str, Any]:
+            clip: float | None = None, from_checkpoint: bool = False,
+            rejoin: bool = False) -> dict[str, Any]:
     """Train each ``(layout, steps)`` in turn, saving a checkpoint at the end of each when
     ``checkpoint_url`` is given; the parameters at the end, whole, by name. Each rank is a
-    node of its own: parts without a replica are copied to the next rank (``copy_every``)."""
+    node of its own: parts without a replica are copied to the next rank (``copy_every``).
+
+    A rank beyond a round's world leaves for good, unless ``rejoin``: then it sits the round
+    out (``"sat out"`` in its sources) and drops its state, as a node that was lost, so that
+    it comes back in a later round holding nothing, like a new node. ``from_checkpoint``:
+    every round after the first starts from nothing too (a new trainer, sampler and
+    position: workers started again), so its state can only come from the checkpoint the
+    previous round saved."""
     from elastic_rt.checkpoint import Checkpointer
     from elastic_rt.layout import Layout
     from elastic_rt.process_groups import destroy_groups
@@ -52,18 +60,29 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
     from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
     from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
 
+    def fresh() -> tuple[ElasticSampler, Progress, RuntimeParallelTrainer]:
+        sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0,
+                                 micro_batch_size=micro_batch_size)
+        trainer = RuntimeParallelTrainer(lambda layout: dm.describe(), ModelParallel(**options),
+                                         copy_every=copy_every, clip_grad_norm=clip)
+        return sampler, Progress(), trainer
+
     data = dm.Sequences(SAMPLES)
-    sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0,
-                             micro_batch_size=micro_batch_size)
-    progress = Progress()
-    trainer = RuntimeParallelTrainer(lambda layout: dm.describe(), ModelParallel(**options),
-                                     copy_every=copy_every, clip_grad_norm=clip)
+    sampler, progress, trainer = fresh()
     checkpoint = Checkpointer(checkpoint_url, async_save=False) if checkpoint_url else None
-    sources = []
+    sources: list[str] = []
+    outcome: dict[str, Any] = {"left": True}
     for number, (spec, steps) in enumerate(rounds):
         layout = Layout.from_dict(spec)
         if env.rank >= layout.world_size:
-            return {"left": True}
+            if not rejoin:
+                return {"left": True}
+            sampler, progress, trainer = fresh()
+            sources.append("sat out")
+            outcome = {"left": True}
+            continue
+        if from_checkpoint and number > 0:
+            sampler, progress, trainer = fresh()
         ctx = _ctx(env, layout, number)
         restored = trainer.restore(Restoring(ctx=ctx, checkpoint=checkpoint, sampler=sampler,
                                              progress=progress))
@@ -81,11 +100,11 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
                             extra=meta.encode(), process_group=ctx.groups.world)
             checkpoint.wait()
         model = trainer.result().model
-        params = {name: _whole(p) for name, p in model.named_parameters()}
-        moments = _moments(trainer)
+        outcome = {"params": {name: _whole(p) for name, p in model.named_parameters()},
+                   "moments": _moments(trainer), "step": progress.step}
         trainer.release()
         destroy_groups(ctx.groups)
-    return {"params": params, "moments": moments, "sources": sources, "step": progress.step}
+    return outcome if "left" in outcome else {**outcome, "sources": sources}
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
