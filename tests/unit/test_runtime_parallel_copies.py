@@ -95,3 +95,19 @@ def test_the_ring_shift_puts_every_ranks_copy_on_another_node(nodes: str,
 def test_a_negative_copy_interval_is_one_config_error_line() -> None:
     with pytest.raises(ConfigError, match="peer_copy_every=-1"):
         PartCopies(-1)
+
+
+@pytest.mark.parametrize("layout, survives", [
+    (Layout(dp=2, pp=2), True), (Layout(dp=2, tp=2), True),
+    (Layout(dp=2, tp=2, shard=2), False), (Layout(dp=2, pp=2, shard=2), False),
+], ids=["pp2xdp2", "tp2xdp2", "fsdp2xtp2", "pp2xfsdp2"])
+def test_losing_rank_3_leaves_a_whole_cut_where_each_part_has_a_replica(
+        layout: Layout, survives: bool) -> None:
+    # An FSDP piece (shard = dp here) has one holder and no copy: it goes with rank 3.
+    from elastic_rt.worker.trainers.runtime_parallel.sharding import holder_of
+
+    holders = [holder_of(step=2, is_clean=True, layout=layout, rank=r) for r in range(3)]
+    choice = pick_sources(holders + [NOBODY], [[] for _ in range(4)])
+    assert (choice is not None) == survives
+    if choice is not None:
+        assert choice.step == 2 and 3 not in choice.ranks.values()

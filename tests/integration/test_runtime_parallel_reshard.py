@@ -1,0 +1,94 @@
+"""The runtime-parallel family across layouts, in real gloo processes: a checkpoint saved
+from any cut loads into any other, and a lost rank's layout is re-planned from the
+survivors and grows back when a new node comes.
+
+Both use the harness of ``test_runtime_parallel`` (``_rounds``) and compare every parameter
+and AdamW first moment with one float64 process at 1e-5 (``_check``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+
+from elastic_rt.layout import Layout, ModelLimits, plan_layout
+from tests.fixtures.torchdist import run_workers
+from tests.integration.test_runtime_parallel import _check, _rounds
+
+pytestmark = pytest.mark.slow
+
+_MATRIX = [
+    ({"dp": 1, "pp": 2, "tp": 2}, 2),  # pp2xtp2
+    ({"dp": 4, "shard": 4}, 1),  # fsdp4
+    ({"dp": 2, "tp": 2, "shard": 2}, 1),  # fsdp2xtp2
+    ({"dp": 2, "pp": 2}, 1),  # pp2xdp2
+    ({"dp": 1, "pp": 4}, 1),  # pp4
+    ({"dp": 2, "pp": 2, "shard": 2}, 1),  # pp2xfsdp2
+    ({"dp": 1, "tp": 4}, 1),  # tp4
+    ({"dp": 4, "shard": 2}, 1),  # hsdp2x2
+    ({"dp": 2, "pp": 2}, 1),  # dp2xpp2
+    ({"dp": 1, "pp": 3}, 1),  # pp3: rank 3 leaves
+    ({"dp": 1, "pp": 2}, 1),  # pp2: rank 2 leaves
+    ({"dp": 2, "tp": 2}, 1),  # tp2xdp2: ranks 2 and 3 come back holding nothing
+]
+
+
+def test_a_checkpoint_of_each_cut_loads_into_the_next_whatever_its_layout(
+        tmp_path: Any) -> None:
+    """The reshard matrix, one checkpoint per arrow, every round starting from nothing::
+
+        pp2xtp2 -> fsdp4 -> fsdp2xtp2 -> pp2xdp2 -> pp4 -> pp2xfsdp2 -> tp4 -> hsdp2x2
+        -> dp2xpp2 -> pp3 -> pp2 -> tp2xdp2
+
+    Tensor-parallel DTensors and FSDP / HSDP pieces (``_StridedShard`` included) are joined
+    and re-cut by name into pipeline stages, shards and tensor pieces of other degrees, and
+    back; 4 ranks shrink to 3 and 2, and grow back to 4 with two ranks holding nothing."""
+    results = run_workers(partial(_rounds, from_checkpoint=True, rejoin=True), 4,
+                          args=(_MATRIX, {}, None, f"file://{tmp_path}/ckpt", 0), timeout_s=240)
+    _check(results, 13)
+    for rank, result in enumerate(results):
+        want = ["init"] + ["checkpoint" if rank < Layout.from_dict(spec).world_size
+                           else "sat out" for spec, _ in _MATRIX[1:]]
+        assert [_kind(source) for source in result["sources"]] == want, rank
+
+
+def _kind(source: str) -> str:
+    """A restore's source without the checkpoint's name (``checkpoint <name>``)."""
+    return "checkpoint" if source.startswith("checkpoint ") else source
+
+
+# The 4-rank layouts, and the limits that allow them (the planner's 3-rank layout then).
+_KILLED = {
+    "pp2xdp2": ({"dp": 2, "pp": 2}, ModelLimits(max_pp=2)),
+    "tp2xdp2": ({"dp": 2, "tp": 2}, ModelLimits(tp_options=(1, 2))),
+    "fsdp2xtp2": ({"dp": 2, "tp": 2, "shard": 2}, ModelLimits(tp_options=(1, 2), max_shard=4)),
+    "pp2xfsdp2": ({"dp": 2, "pp": 2, "shard": 2}, ModelLimits(max_pp=2, max_shard=4)),
+}
+
+
+@pytest.mark.parametrize("name", list(_KILLED))
+def test_a_lost_rank_is_replanned_from_the_survivors_and_a_newcomer_grows_it_back(
+        tmp_path: Any, name: str) -> None:
+    # Rank 3 is lost after step 2 (between rounds: what the runtime sees after a SIGKILL),
+    # the 3 survivors train 2 steps in the planner's 3-rank layout (dp3, or fsdp3 where
+    # sharding is allowed), and rank 3 comes back holding nothing for the 4-rank layout.
+    # No peer copies where they could be kept: what the survivors hold is all there is.
+    # An FSDP piece has one holder, so the sharded layouts lose rank 3's piece with it, and
+    # they come back from the checkpoint of step 2 even with copies on (this family keeps
+    # no copies of FSDP pieces); the others lose nothing.
+    layout, limits = _KILLED[name]
+    is_sharded = layout.get("shard", 1) > 1
+    three = plan_layout(3, limits)
+    assert three == (Layout(dp=3, shard=3) if is_sharded else Layout(dp=3))
+    rounds = [(layout, 2), (three.to_dict(), 2), (layout, 2)]
+    url = f"file://{tmp_path}/ckpt" if is_sharded else None
+    copy_every = 1 if is_sharded else 0
+    results = run_workers(partial(_rounds, rejoin=True), 4,
+                          args=(rounds, {}, None, url, copy_every), timeout_s=120)
+    _check(results, 6)
+    lost = "checkpoint" if is_sharded else "survivors"
+    for result in results[:3]:
+        assert [_kind(source) for source in result["sources"]] == ["init", lost, "survivors"]
+    assert results[3]["sources"] == ["init", "sat out", "survivors"]
