@@ -59,36 +59,41 @@ def _kind(source: str) -> str:
     return "checkpoint" if source.startswith("checkpoint ") else source
 
 
-# The 4-rank layouts, and the limits that allow them (the planner's 3-rank layout then).
+# The 4-rank layouts, the limits that allow them (the planner's 3-rank layout then), and the
+# worker lost: the last, or one in the middle, which renumbers the survivors after it
+# (the rendezvous keeps their order) while the newcomer comes back last.
 _KILLED = {
-    "pp2xdp2": ({"dp": 2, "pp": 2}, ModelLimits(max_pp=2)),
-    "tp2xdp2": ({"dp": 2, "tp": 2}, ModelLimits(tp_options=(1, 2))),
-    "fsdp2xtp2": ({"dp": 2, "tp": 2, "shard": 2}, ModelLimits(tp_options=(1, 2), max_shard=4)),
-    "pp2xfsdp2": ({"dp": 2, "pp": 2, "shard": 2}, ModelLimits(max_pp=2, max_shard=4)),
+    "pp2xdp2": ({"dp": 2, "pp": 2}, ModelLimits(max_pp=2), 1),
+    "tp2xdp2": ({"dp": 2, "tp": 2}, ModelLimits(tp_options=(1, 2)), 3),
+    "fsdp2xtp2": ({"dp": 2, "tp": 2, "shard": 2},
+                  ModelLimits(tp_options=(1, 2), max_shard=4), 1),
+    "pp2xfsdp2": ({"dp": 2, "pp": 2, "shard": 2}, ModelLimits(max_pp=2, max_shard=4), 3),
 }
 
 
 @pytest.mark.parametrize("name", list(_KILLED))
 def test_a_lost_rank_is_replanned_from_the_survivors_and_a_newcomer_grows_it_back(
         tmp_path: Any, name: str) -> None:
-    # Rank 3 is lost after step 2 (between rounds: what the runtime sees after a SIGKILL),
-    # the 3 survivors train 2 steps in the planner's 3-rank layout (dp3, or fsdp3 where
-    # sharding is allowed), and rank 3 comes back holding nothing for the 4-rank layout.
-    # No peer copies where they could be kept: what the survivors hold is all there is.
-    # An FSDP piece has one holder, so the sharded layouts lose rank 3's piece with it, and
-    # they come back from the checkpoint of step 2 even with copies on (this family keeps
-    # no copies of FSDP pieces); the others lose nothing.
-    layout, limits = _KILLED[name]
+    # A worker is lost after step 2 (between rounds: what the runtime sees after a
+    # SIGKILL), the 3 survivors train 2 steps in the planner's 3-rank layout (dp3, or
+    # fsdp3 where sharding is allowed), and the worker comes back holding nothing, as rank
+    # 3 of the 4-rank layout. No peer copies where they could be kept: what the survivors
+    # hold is all there is. An FSDP piece has one holder, so the sharded layouts lose the
+    # worker's piece with it, and they come back from the checkpoint of step 2 even with
+    # copies on (this family keeps no copies of FSDP pieces); the others lose nothing.
+    layout, limits, lost = _KILLED[name]
     is_sharded = layout.get("shard", 1) > 1
     three = plan_layout(3, limits)
     assert three == (Layout(dp=3, shard=3) if is_sharded else Layout(dp=3))
     rounds = [(layout, 2), (three.to_dict(), 2), (layout, 2)]
+    stayed = [w for w in range(4) if w != lost]
+    members = [[0, 1, 2, 3], stayed, stayed + [lost]]
     url = f"file://{tmp_path}/ckpt" if is_sharded else None
     copy_every = 1 if is_sharded else 0
-    results = run_workers(partial(_rounds, rejoin=True), 4,
+    results = run_workers(partial(_rounds, rejoin=True, members=members), 4,
                           args=(rounds, {}, None, url, copy_every), timeout_s=120)
     _check(results, 6)
-    lost = "checkpoint" if is_sharded else "survivors"
-    for result in results[:3]:
-        assert [_kind(source) for source in result["sources"]] == ["init", lost, "survivors"]
-    assert results[3]["sources"] == ["init", "sat out", "survivors"]
+    again = "checkpoint" if is_sharded else "survivors"
+    for worker in stayed:
+        assert [_kind(s) for s in results[worker]["sources"]] == ["init", again, "survivors"]
+    assert results[lost]["sources"] == ["init", "sat out", "survivors"]
