@@ -27,24 +27,37 @@ SAMPLES, GLOBAL_BATCH = 96, 8
 TIMEOUT = timedelta(seconds=30)
 
 
-def _ctx(env: WorkerEnv, layout: Any, number: int) -> Any:
+def _ctx(env: WorkerEnv, layout: Any, number: int, rank: int | None = None) -> Any:
+    """Round ``number``'s context; the worker is ``rank`` in it (default: its own number)
+    and stays on its own node."""
     from elastic_rt.process_groups import init_groups
     from elastic_rt.worker.context import Context
 
-    groups = init_groups(env.store, rank=env.rank, world_size=layout.world_size, layout=layout,
+    rank = env.rank if rank is None else rank
+    groups = init_groups(env.store, rank=rank, world_size=layout.world_size, layout=layout,
                          prefix=f"/round-{number}/", timeout=TIMEOUT)
-    return Context(rank=env.rank, world_size=layout.world_size, local_rank=env.rank,
+    return Context(rank=rank, world_size=layout.world_size, local_rank=env.rank,
                    node_id=f"n{env.rank}", round=number, token=number, layout=layout, groups=groups)
 
 
 def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
             options: dict[str, Any], micro_batch_size: int | None,
             checkpoint_url: str | None = None, copy_every: int = 1,
-            clip: float | None = None, autocast_dtype: torch.dtype | None = None
-            ) -> dict[str, Any]:
+            clip: float | None = None, autocast_dtype: torch.dtype | None = None,
+            from_checkpoint: bool = False, rejoin: bool = False,
+            members: list[list[int]] | None = None) -> dict[str, Any]:
     """Train each ``(layout, steps)`` in turn, saving a checkpoint at the end of each when
     ``checkpoint_url`` is given; the parameters at the end, whole, by name. Each rank is a
-    node of its own: parts without a replica are copied to the next rank (``copy_every``)."""
+    node of its own: parts without a replica are copied to the next rank (``copy_every``).
+
+    ``members[i]`` lists round ``i``'s workers (``env.rank``) in rank order (default: the
+    first world-size ones), as the rendezvous orders them: survivors keep their order,
+    newcomers come last. A worker outside a round leaves for good, unless ``rejoin``: then
+    it sits the round out (``"sat out"`` in its sources) and drops its state, as a lost
+    node, so that it comes back in a later round holding nothing, like a new node. With
+    ``from_checkpoint`` every round after the first starts from nothing too (a new trainer,
+    sampler and position: workers started again), so its state can only come from the
+    checkpoint the previous round saved."""
     from elastic_rt.checkpoint import Checkpointer
     from elastic_rt.layout import Layout
     from elastic_rt.process_groups import destroy_groups
@@ -55,22 +68,36 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
 
     # autocast leaves float64 alone: a mixed-precision run trains a float32 model
     dtype = torch.float64 if autocast_dtype is None else torch.float32
+
+    def fresh() -> tuple[ElasticSampler, Progress, RuntimeParallelTrainer]:
+        sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0,
+                                 micro_batch_size=micro_batch_size)
+        trainer = RuntimeParallelTrainer(lambda layout: dm.describe(dtype=dtype),
+                                         ModelParallel(**options),
+                                         copy_every=copy_every, clip_grad_norm=clip,
+                                         autocast_dtype=autocast_dtype,
+                                         accumulates=micro_batch_size is not None)
+        return sampler, Progress(), trainer
+
     data = dm.Sequences(SAMPLES, dtype=dtype)
-    sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0,
-                             micro_batch_size=micro_batch_size)
-    progress = Progress()
-    trainer = RuntimeParallelTrainer(lambda layout: dm.describe(dtype=dtype),
-                                     ModelParallel(**options),
-                                     copy_every=copy_every, clip_grad_norm=clip,
-                                     autocast_dtype=autocast_dtype,
-                                     accumulates=micro_batch_size is not None)
+    sampler, progress, trainer = fresh()
     checkpoint = Checkpointer(checkpoint_url, async_save=False) if checkpoint_url else None
-    sources = []
+    sources: list[str] = []
+    outcome: dict[str, Any] = {"left": True}
     for number, (spec, steps) in enumerate(rounds):
         layout = Layout.from_dict(spec)
-        if env.rank >= layout.world_size:
-            return {"left": True}
-        ctx = _ctx(env, layout, number)
+        ranks = members[number] if members else list(range(layout.world_size))
+        assert len(ranks) == layout.world_size, (ranks, layout)
+        if env.rank not in ranks:
+            if not rejoin:
+                return {"left": True}
+            sampler, progress, trainer = fresh()
+            sources.append("sat out")
+            outcome = {"left": True}
+            continue
+        if from_checkpoint and number > 0:
+            sampler, progress, trainer = fresh()
+        ctx = _ctx(env, layout, number, ranks.index(env.rank))
         restored = trainer.restore(Restoring(ctx=ctx, checkpoint=checkpoint, sampler=sampler,
                                              progress=progress))
         sources.append(restored.source)
@@ -87,11 +114,11 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
                             extra=meta.encode(), process_group=ctx.groups.world)
             checkpoint.wait()
         model = trainer.result().model
-        params = {name: _whole(p) for name, p in model.named_parameters()}
-        moments = _moments(trainer)
+        outcome = {"params": {name: _whole(p) for name, p in model.named_parameters()},
+                   "moments": _moments(trainer), "step": progress.step}
         trainer.release()
         destroy_groups(ctx.groups)
-    return {"params": params, "moments": moments, "sources": sources, "step": progress.step}
+    return outcome if "left" in outcome else {**outcome, "sources": sources}
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:

@@ -146,17 +146,14 @@ def test_a_lost_stage_comes_back_from_its_peer_copy_with_no_checkpoint(
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("layout", [
-    {"dp": 2, "tp": 2, "shard": 2}, {"dp": 2, "pp": 2, "shard": 2},
-], ids=["fsdp2xtp2", "pp2xfsdp2"])
-def test_a_lost_fsdp_piece_of_a_model_parallel_layout_comes_back_from_its_peer_copy(
-        layout: dict[str, int]) -> None:
-    # Each rank is a node: rank 3's FSDP piece has no other holder. With copies every
-    # step, rank 0 holds its copy of step 2 (made at the start of step 3), so pp3 takes
-    # every piece of step 2 by name (_StridedShard boxes included) and does step 3 again.
+def test_a_lost_fsdp_piece_of_a_tensor_parallel_part_comes_back_from_its_peer_copy() -> None:
+    # fsdp2xtp2, each rank a node: rank 3's FSDP piece has no other holder. With copies
+    # every step, rank 0 holds its copy of step 2 (made at the start of step 3), so pp3
+    # takes every piece of step 2 by name (_StridedShard boxes included) and does step 3
+    # again. (test_runtime_parallel_reshard: the same into fsdp3, for pp2xfsdp2 too.)
     from tests.integration.test_runtime_parallel import _check, _rounds
 
-    rounds = [(layout, 3), ({"dp": 1, "pp": 3}, 1)]
+    rounds = [({"dp": 2, "tp": 2, "shard": 2}, 3), ({"dp": 1, "pp": 3}, 1)]
     results = run_workers(_rounds, 4, args=(rounds, {}, None), timeout_s=90)
     _check(results, 3)
     assert [r["sources"][1] for r in results[:3]] == ["peer copies"] * 3

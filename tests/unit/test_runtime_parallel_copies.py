@@ -95,3 +95,29 @@ def test_the_ring_shift_puts_every_ranks_copy_on_another_node(nodes: str,
 def test_a_negative_copy_interval_is_one_config_error_line() -> None:
     with pytest.raises(ConfigError, match="peer_copy_every=-1"):
         PartCopies(-1)
+
+
+@pytest.mark.parametrize("layout, survives", [
+    (Layout(dp=2, pp=2), True), (Layout(dp=2, tp=2), True),
+    (Layout(dp=2, tp=2, shard=2), False), (Layout(dp=2, pp=2, shard=2), False),
+], ids=["pp2xdp2", "tp2xdp2", "fsdp2xtp2", "pp2xfsdp2"])
+def test_losing_any_one_rank_leaves_a_whole_cut_where_each_part_has_a_replica(
+        layout: Layout, survives: bool) -> None:
+    # An FSDP piece (shard = dp here) has one holder: without copies it goes with its
+    # rank; with the snapshots of step 1 each rank keeps (its own piece, its ring
+    # neighbour's), the survivors cover the cut at step 1 (one step done again).
+    from elastic_rt.worker.trainers.runtime_parallel.sharding import holder_of, piece_of
+
+    for lost in range(4):
+        holders = [NOBODY if r == lost else holder_of(step=2, is_clean=True, layout=layout, rank=r)
+                   for r in range(4)]
+        choice = pick_sources(holders, [[] for _ in range(4)])
+        assert (choice is not None) == survives, lost
+        if choice is not None:
+            assert choice.step == 2 and lost not in choice.ranks.values()
+        copies = [[] if r == lost else [Copy(1, *piece_of(layout, r)),  # its own snapshot
+                                        Copy(1, *piece_of(layout, (r - 1) % 4))]
+                  for r in range(4)]
+        choice = pick_sources(holders, copies)
+        assert choice is not None and lost not in choice.ranks.values()
+        assert choice.step == (2 if survives else 1), lost
