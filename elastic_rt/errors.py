@@ -111,6 +111,11 @@ class StoreConnectionError(StoreError):
     """The connection to etcd failed. Retryable: etcd may come back."""
 
 
+class StoreElectingError(StoreConnectionError):
+    """The etcd member answered that its cluster has no leader (an election, or the member
+    is cut off from the others). Retryable: a leader is elected, and it renews every lease."""
+
+
 class StoreStateError(StoreError):
     """etcd holds something we did not expect (bad JSON, a foreign key). Not retryable."""
 

@@ -14,6 +14,7 @@ renewed by logging in again and the call retried once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -34,7 +35,12 @@ import grpc  # noqa: E402
 import six  # noqa: E402
 
 from elastic_rt.config import EtcdAuth  # noqa: E402
-from elastic_rt.errors import ConfigError, ElasticError, StoreConnectionError  # noqa: E402
+from elastic_rt.errors import (  # noqa: E402
+    ConfigError,
+    ElasticError,
+    StoreConnectionError,
+    StoreElectingError,
+)
 from elastic_rt.rendezvous.etcd_errors import SECURITY_GUIDE, translate  # noqa: E402
 from elastic_rt.rendezvous.etcd_messages import pb_kv, txn_request, txn_result  # noqa: E402
 from elastic_rt.rendezvous.kv import Change, KeyValue, TxnOp, TxnResult  # noqa: E402
@@ -74,6 +80,11 @@ def _translated(method: Callable[..., T]) -> Callable[..., T]:
 
     return wrapper
 
+
+_REQUIRE_LEADER = ("hasleader", "true")
+"""etcd's metadata for "answer at once if you have no leader" (clientv3.WithRequireLeader)."""
+_NO_LEADER = "no leader"
+"""In the details of etcd's answer to a call that requires a leader, when there is none."""
 
 MEMBER_BENCH_S = 2.0
 """Seconds an unreachable cluster member is skipped before it is tried again."""
@@ -265,12 +276,24 @@ class EtcdKV:
 
     @_translated
     def refresh_lease(self, lease_id: int, *, timeout: float | None = None) -> bool:
+        """Raises :class:`StoreElectingError` when the member has no leader: it says so at
+        once (etcd's ``hasleader`` requirement) instead of holding the call, and the
+        member is benched, so that the next call asks another."""
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+        metadata = (*(self._client.metadata or ()), _REQUIRE_LEADER)
 
         def renew() -> list[Any]:
-            return list(self._client.leasestub.LeaseKeepAlive(
-                iter([request]), timeout or self._timeout,
-                credentials=self._client.call_credentials, metadata=self._client.metadata))
+            try:
+                return list(self._client.leasestub.LeaseKeepAlive(
+                    iter([request]), timeout or self._timeout,
+                    credentials=self._client.call_credentials, metadata=metadata))
+            except grpc.RpcError as exc:
+                if _NO_LEADER not in (exc.details() or ""):
+                    raise
+                with contextlib.suppress(etcd3.exceptions.Etcd3Exception, grpc.RpcError):
+                    self._client._manage_grpc_errors(exc)  # benches the member
+                raise StoreElectingError(f"etcd member {self._client.endpoint_in_use.netloc} "
+                                         "has no leader") from exc
 
         responses = self._failing_over(renew)
         return bool(responses) and int(responses[0].TTL) > 0

@@ -20,7 +20,7 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-from elastic_rt.errors import CredentialsError, StoreError
+from elastic_rt.errors import CredentialsError, StoreElectingError, StoreError
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import NodeInfo
 
@@ -87,16 +87,23 @@ class LeaseKeeper:
         self.is_fenced = False
 
     def _run(self) -> None:
-        """Renew every quarter of the TTL. A renewal may take a sixth of it: a member that
-        takes the call and cannot answer (an etcd member restarting, not yet back in its
-        cluster) fails it fast, the client benches that member, and the retry, at once,
-        goes to another, well within the TTL (soak finding 14: at the client's default of
-        5 s, one hung renewal outlived a 3 s lease while the node trained on)."""
+        """Renew every quarter of the TTL; fence after ``ttl - margin`` without a renewal.
+
+        A renewal may take a sixth of the TTL: a member that takes the call and cannot
+        answer (an etcd member restarting, not yet back in its cluster) fails it fast, the
+        client benches it, and the retry, at once, goes to another (soak finding 14: at the
+        client's default of 5 s, one hung renewal outlived a 3 s lease while the node
+        trained on). A member without a leader says so at once (an election after the
+        leader restarted: 1-2 s): no lease can expire then, and the next leader renews them
+        all, so that answer holds the fence off, by one TTL at most (a member cut off from
+        the others' majority says the same, and there the lease may run out).
+        """
         interval = max(0.2, self.ttl / 4)
         call_timeout = max(0.3, self.ttl / 6)
-        wait = interval
+        wait, retried = interval, False
+        electing_since: float | None = None
         while not self._stop.wait(wait):
-            retried, wait = wait < interval, interval
+            wait = interval
             try:
                 if self.is_fenced:
                     self._register()
@@ -104,17 +111,21 @@ class LeaseKeeper:
                     continue
                 assert self.lease_id is not None
                 if self.registry.kv.refresh_lease(self.lease_id, timeout=call_timeout):
-                    self._last_renewed = time.monotonic()
+                    self._last_renewed, retried, electing_since = time.monotonic(), False, None
                 else:
                     self._fence("lease expired")
             except (StoreError, CredentialsError) as exc:
                 # Refused credentials (a revoked role) fence like a lost connection.
                 logger.debug("lease renewal failed: %s", exc)
+                now = time.monotonic()
                 if not retried:  # once: to the next member, at once
-                    wait = min(interval, 0.05)
-                self.failed_at = time.monotonic()
-                silent = time.monotonic() - self._last_renewed
-                if not self.is_fenced and silent > self.ttl - self.margin:
+                    wait, retried = min(interval, 0.05), True
+                self.failed_at = now
+                if isinstance(exc, StoreElectingError):
+                    electing_since = electing_since or now
+                held_off = electing_since is not None and now - electing_since < self.ttl
+                silent = now - self._last_renewed
+                if not self.is_fenced and not held_off and silent > self.ttl - self.margin:
                     self._fence(f"could not renew the lease for {self.ttl - self.margin:.1f} s")
             except Exception:  # noqa: BLE001 - thread boundary: log, keep the node fenced-safe
                 logger.exception("lease keeper error")

@@ -1,0 +1,77 @@
+"""The lease keeper's fence against a store that fails renewals in two ways: unreachable
+(a cut-off node: fence before the TTL runs out) and electing (no leader: no lease can
+expire, and the next leader renews them all: held off, by one TTL at most)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from elastic_rt.errors import StoreConnectionError, StoreElectingError, StoreError
+from elastic_rt.harness import wait_until
+from elastic_rt.harness.waits import WaitTimeout
+from elastic_rt.rendezvous.lease import LeaseKeeper
+from elastic_rt.rendezvous.rounds import NodeInfo
+
+
+class _Store:
+    """Grants leases; renewals answer or fail with ``failure`` once ``failing`` is set."""
+
+    def __init__(self, failure: type[StoreError]) -> None:
+        self.failure, self.failing = failure, threading.Event()
+        self.timeouts: list[float | None] = []
+
+    def grant_lease(self, ttl_seconds: int) -> int:
+        return 1
+
+    def refresh_lease(self, lease_id: int, *, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        if self.failing.is_set():
+            raise self.failure("renewal failed")
+        return True
+
+
+class _Registry:
+    def __init__(self, kv: _Store) -> None:
+        self.kv = kv
+
+
+def _keeper(store: _Store, fenced: list[tuple[float, str]]) -> LeaseKeeper:
+    keeper = LeaseKeeper(_Registry(store), NodeInfo("n1", "127.0.0.1", 1),  # type: ignore[arg-type]
+                         timedelta(seconds=1.5),
+                         on_fenced=lambda why: fenced.append((time.monotonic(), why)),
+                         register=lambda lease: None)
+    keeper.start()
+    return keeper
+
+
+def test_an_unreachable_store_fences_the_node_before_its_lease_runs_out() -> None:
+    store, fenced = _Store(StoreConnectionError), list[tuple[float, str]]()
+    keeper = _keeper(store, fenced)
+    try:
+        wait_until(lambda: store.timeouts or None, 5, "a renewal")
+        began = time.monotonic()
+        store.failing.set()
+        wait_until(lambda: fenced or None, 5, "the fence")
+        assert fenced[0][0] - began < 1.5  # the TTL: the others may drop it after that
+        assert max(t for t in store.timeouts if t is not None) <= 0.3  # short calls
+    finally:
+        keeper.stop(revoke=False)
+
+
+def test_a_store_without_a_leader_holds_the_fence_off_for_one_ttl_at_most() -> None:
+    store, fenced = _Store(StoreElectingError), list[tuple[float, str]]()
+    keeper = _keeper(store, fenced)
+    try:
+        wait_until(lambda: store.timeouts or None, 5, "a renewal")
+        began = time.monotonic()
+        store.failing.set()
+        with pytest.raises(WaitTimeout):  # the unreachable store's fence came before this
+            wait_until(lambda: fenced or None, 1.3, "the fence")
+        wait_until(lambda: fenced or None, 5, "the fence once the hold-off is over")
+        assert fenced[0][0] - began < 1.5 + 1.5  # the hold-off is one TTL at most
+    finally:
+        keeper.stop(revoke=False)
