@@ -49,7 +49,8 @@ from elastic_rt.worker.trainers.runtime_parallel.trainer import (  # noqa: E402
 from scripts.examples import described_train as ex  # noqa: E402
 
 LAYOUTS = {"pp2": Layout(dp=1, pp=2), "tp2": Layout(dp=1, tp=2)}
-MODEL: dict[str, Any] = {"width": 256, "depth": 4, "heads": 8, "seq": 64}
+MODEL: dict[str, Any] = {"width": 256, "depth": 4, "heads": 8}
+SEQ = 64
 GLOBAL_BATCH = 16
 
 
@@ -91,7 +92,7 @@ def _worker(rank: int, port: int, name: str, steps: int, window: int, out: Any) 
                          prefix="/bench/", timeout=timedelta(seconds=60))
     ctx = Context(rank=rank, world_size=layout.world_size, local_rank=rank, node_id="n",
                   round=0, token=0, layout=layout, groups=groups)
-    data = ex.CharWindows(MODEL["seq"], 4096)
+    data = ex.CharWindows(SEQ, 4096)
     sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, seed=0)
     trainer = RuntimeParallelTrainer(lambda _: ex.describe(**MODEL), ModelParallel())
     trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=sampler, progress=Progress()))

@@ -1,6 +1,6 @@
 """A runtime-parallel job through a node SIGKILL: re-planned, restored by name, 0 steps lost.
 
-Two agents run ``scripts/examples/described_train.py`` (float64), whose model must be cut
+Two agents run ``scripts/examples/described_train.py`` (tiny, float64), whose model must be cut
 at least two ways. Node ``a`` with three workers and node ``b`` with one start together
 (a long last call, so both make the first round) and train ``dp2 x pp2``: ``a`` holds stage
 0 twice and stage 1 once, ``b`` the other replica of stage 1; or, with tensor parallelism
@@ -22,7 +22,7 @@ import pytest
 
 from elastic_rt.events import Event
 from elastic_rt.harness import REPO, child_env, wait_until
-from tests.fixtures.described_reference import assert_outputs_equal_reference
+from tests.fixtures.described_reference import TINY_FLAGS, assert_outputs_equal_reference
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, exit_code, launch_args
 
@@ -37,7 +37,7 @@ def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, npr
     # a long last call: both nodes make the first round (a's workers alone would be pp3)
     args = launch_args(etcd_server.endpoint, run_id, "1:2", tmp / "events.jsonl", node_id=name,
                        nproc=nproc, extra=("--last-call", "5"))
-    script = [SCRIPT, "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH),
+    script = [SCRIPT, *TINY_FLAGS, "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH),
               "--samples", str(SAMPLES), "--tp-options", *tp_options.split(), "--float64",
               "--step-time", "0.1", "--out", str(tmp / "out")]
     return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
