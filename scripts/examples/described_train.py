@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import elastic_rt as ert
 
 VOCAB = 128  # ASCII
-CORPUS_CHARS = 2_000_000  # ~60 of the standard library's first source files, sorted by name
+CORPUS_CHARS = 2_000_000  # 2 MB: CPython 3.11's first 74 source files by name (__future__ to io)
 
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
