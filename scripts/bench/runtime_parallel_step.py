@@ -13,8 +13,10 @@ Run:  python scripts/bench/runtime_parallel_step.py --layout pp2      # 2 gloo p
 
 Measured 2026-12-06 on this 2-core machine under a load average of 3-4 (other jobs),
 3.2M parameters, global batch 16 x 64 tokens: pp2 0.973 and 1.001; tp2 1.034, 1.009 and
-0.943. The spread between runs (+-5 %) is the machine's; no overhead of the runtime shows
-above it.
+0.943 (the example's earlier GPT-style decoder). Again with its Llama-style decoder (3.2M
+parameters, the same batch) under a load average of 5-7: pp2 0.860 and 1.054; tp2 1.162 and
+0.982. The spread between runs (+-5 % at the lighter load, +-15 % at the heavier) is the
+machine's; no overhead of the runtime shows above it.
 """
 
 from __future__ import annotations
