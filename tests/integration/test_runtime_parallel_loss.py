@@ -1,15 +1,25 @@
-"""A runtime-parallel job through a node SIGKILL: re-planned, restored by name, 0 steps lost.
+"""A runtime-parallel job through a node SIGKILL (and a growth back): re-planned, restored
+by name, equal to one process.
 
-Two agents run ``scripts/examples/described_train.py`` (float64), whose model must be cut
-at least two ways. Node ``a`` with three workers and node ``b`` with one start together
-(a long last call, so both make the first round) and train ``dp2 x pp2``: ``a`` holds stage
-0 twice and stage 1 once, ``b`` the other replica of stage 1; or, with tensor parallelism
-allowed, ``dp2 x tp2``: ``a`` holds both shards of one replica and one of the other. ``b``
-is SIGKILLed mid-run. ``a``'s workers hold every part at the last step, so they re-plan to
-``pp3`` and move the state by parameter name to the new cut (tensor shards to pipeline
-stages in the second case): no checkpoint (none is configured), no step redone or skipped,
-and final parameters equal to those of an uninterrupted one-process run over the same
-batches.
+Two agents run ``scripts/examples/described_train.py`` (the tiny Llama-style decoder,
+float64), whose model must be cut at least two ways. Node ``a`` with three workers and node
+``b`` with one start together (a long last call, so both make the first round) and train
+
+- ``dp2 x pp2``: ``a`` holds stage 0 twice and stage 1 once, ``b`` the other replica of
+  stage 1;
+- or, with tensor parallelism allowed, ``dp2 x tp2``: ``a`` holds both shards of one
+  replica and one of the other;
+- or, cut three ways with FSDP allowed, ``fsdp2 x tp2``: each tensor shard sharded again
+  over the two data-parallel ranks.
+
+``b`` is SIGKILLed mid-run and ``a``'s workers re-plan to ``pp3``. In the first two cases
+they hold every part at the last step and move the state by parameter name to the new cut
+(tensor shards to pipeline stages in the second): no checkpoint is configured, no step is
+redone or skipped. In the second a new node ``b2`` then joins and the job grows back to
+``dp2 x tp2``, the state moved by name again. In the third ``b``'s FSDP piece had no other
+holder (FSDP pieces have no peer copies yet, docs/parallelism.md), so it comes back from the
+last checkpoint, resharded, and the steps after it are done again. Every case ends with
+final parameters equal to those of an uninterrupted one-process run over the same batches.
 """
 
 from __future__ import annotations
@@ -22,24 +32,24 @@ import pytest
 
 from elastic_rt.events import Event
 from elastic_rt.harness import REPO, child_env, wait_until
-from tests.fixtures.described_reference import assert_outputs_equal_reference
+from tests.fixtures.described_reference import TINY_FLAGS, assert_outputs_equal_reference
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, exit_code, launch_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
 SCRIPT = str(REPO / "scripts" / "examples" / "described_train.py")
-STEPS, GLOBAL_BATCH, SAMPLES = 40, 12, 240
+GLOBAL_BATCH, SAMPLES, EVERY = 12, 240, 4
+PP3 = "dp1xpp3xtp1"
 
 
 def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, nproc: int,
-          tp_options: str):
+          flags: list[str]):
     # a long last call: both nodes make the first round (a's workers alone would be pp3)
     args = launch_args(etcd_server.endpoint, run_id, "1:2", tmp / "events.jsonl", node_id=name,
                        nproc=nproc, extra=("--last-call", "5"))
-    script = [SCRIPT, "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH),
-              "--samples", str(SAMPLES), "--tp-options", *tp_options.split(), "--float64",
-              "--step-time", "0.1", "--out", str(tmp / "out")]
+    script = [SCRIPT, *TINY_FLAGS, "--global-batch", str(GLOBAL_BATCH), "--samples",
+              str(SAMPLES), *flags, "--float64", "--out", str(tmp / "out")]
     return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
 
 
@@ -51,31 +61,65 @@ def _steps_in(tmp: Path, layout_world: int) -> list[int]:
     return [e.step or 0 for e in _completed(tmp) if e.metadata["world_size"] == layout_world]
 
 
-@pytest.mark.parametrize("tp_options, grown", [("1", "dp2xpp2xtp1"), ("1 2", "dp2xpp1xtp2")])
-def test_a_node_lost_is_replanned_to_pp3_from_the_survivors_with_no_step_lost(
-    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path, tp_options: str,
-    grown: str,
-) -> None:
-    nodes = {name: _node(process_tree, etcd_server, run_id, tmp_path, name, nproc, tp_options)
-             for name, nproc in (("a", 3), ("b", 1))}
-    wait_until(lambda: len(_steps_in(tmp_path, 4)) >= 3, 120, f"three steps under {grown}")
-    os.killpg(nodes["b"].pid, signal.SIGKILL)
-    assert exit_code(nodes["a"], 180, tmp_path / "a.log", tmp_path / "events.jsonl") == 0
+def _layouts(tmp: Path) -> list[str]:
+    return [e.metadata["layout"] for e in events(tmp / "events.jsonl")
+            if e.name == "groups.reformed" and e.rank == 0]
 
-    assert_outputs_equal_reference(tmp_path / "out", steps=STEPS, global_batch=GLOBAL_BATCH,
+
+@pytest.mark.parametrize("flags, first, grow", [
+    pytest.param("--tp-options 1", "dp2xpp2xtp1", False, id="pp2"),
+    pytest.param("--tp-options 1 2", "dp2xpp1xtp2", True, id="tp2-then-growth"),
+    pytest.param(f"--tp-options 1 2 --max-shard 2 --min-cut 3 --every {EVERY}", "fsdp2xtp2",
+                 False, id="fsdp2xtp2-from-checkpoint"),
+])
+def test_a_node_lost_is_replanned_to_pp3_and_ends_equal_to_one_process(
+    process_tree: ProcessTree, etcd_server, run_id: str, tmp_path: Path, flags: str,
+    first: str, grow: bool,
+) -> None:
+    # Growing takes b2 ~7 s on this machine (start, build ahead, last call): longer, slower
+    # steps give it room (~25 s) before the job ends.
+    steps, step_time = (80, 0.3) if grow else (40, 0.1)
+    sharded = "--max-shard" in flags
+    script = [*flags.split(), "--steps", str(steps), "--step-time", str(step_time),
+              *(["--checkpoint", str(tmp_path / "ckpt")] if sharded else [])]
+    nodes = {name: _node(process_tree, etcd_server, run_id, tmp_path, name, nproc, script)
+             for name, nproc in (("a", 3), ("b", 1))}
+    wait_until(lambda: len(_steps_in(tmp_path, 4)) >= 3, 120, f"three steps under {first}")
+    if sharded:
+        wait_until(lambda: any(e.name == "checkpoint.committed"
+                               for e in events(tmp_path / "events.jsonl")), 120, "a checkpoint")
+    os.killpg(nodes["b"].pid, signal.SIGKILL)
+    want = [first, PP3]
+    if grow:
+        wait_until(lambda: len(_steps_in(tmp_path, 3)) >= 2, 120, "two steps under pp3")
+        # a new node under a new id: the job grows back to four ranks
+        nodes["b2"] = _node(process_tree, etcd_server, run_id, tmp_path, "b2", 1, script)
+        want.append(first)
+    for name in nodes.keys() - {"b"}:
+        assert exit_code(nodes[name], 180, tmp_path / f"{name}.log",
+                         tmp_path / "events.jsonl") == 0
+
+    assert_outputs_equal_reference(tmp_path / "out", steps=steps, global_batch=GLOBAL_BATCH,
                                    samples=SAMPLES)
 
     log = events(tmp_path / "events.jsonl")
-    layouts = [e.metadata["layout"] for e in log if e.name == "groups.reformed" and e.rank == 0]
-    assert layouts[0] == grown, layouts
-    assert layouts[-1] == "dp1xpp3xtp1", layouts
-    restores = [e for e in log if e.name == "state.restored"]
-    assert {e.metadata["source"] for e in restores} == {"init", "survivors"}, restores
-    assert restores[-1].node == "a" and restores[-1].metadata["source"] == "survivors"
-    steps = [e.step for e in _completed(tmp_path)]
-    assert steps == list(range(1, STEPS + 1)), steps  # every step once
-    assert _steps_in(tmp_path, 3)[-1] == STEPS
-    resumed = [e for e in log if e.name == "step.resumed" and e.rank == 0]
+    assert _layouts(tmp_path) == want
     restored = [e for e in log if e.name == "state.restored" and e.rank == 0]
-    print(f"failure -> next step: {resumed[-1].metadata['downtime_ms']} ms; restore "
-          f"{restored[-1].metadata['duration_ms']} ms ({restored[-1].metadata['source']})")
+    lost = "checkpoint" if sharded else "survivors"
+    sources = [e.metadata["source"].split()[0] for e in restored]  # "checkpoint <name>"
+    assert sources == ["init", lost] + ["survivors"] * grow, restored
+    back_at = restored[1].step or 0  # the step the state came back at
+    ran = max(e.step or 0 for e in _completed(tmp_path)
+              if e.timestamp_ms < restored[1].timestamp_ms)
+    if sharded:  # from the last checkpoint: the steps after it are done again
+        assert back_at % EVERY == 0 and EVERY <= back_at <= ran, (back_at, ran)
+    else:
+        assert back_at == ran  # from the survivors: none lost, none redone
+    done = [e.step for e in _completed(tmp_path)]  # each step once, but those redone
+    assert done == [*range(1, ran + 1), *range(back_at + 1, steps + 1)], done
+    assert _steps_in(tmp_path, 4 if grow else 3)[-1] == steps
+    resumed = [e for e in log if e.name == "step.resumed" and e.rank == 0]
+    print(f"{first}: failure -> next step {resumed[0].metadata['downtime_ms']} ms; restore "
+          f"{restored[1].metadata['duration_ms']} ms ({lost}, {ran - back_at} steps redone)"
+          + (f"; pp3 trained steps {_steps_in(tmp_path, 3)[0]}-{_steps_in(tmp_path, 3)[-1]}"
+             if grow else ""))

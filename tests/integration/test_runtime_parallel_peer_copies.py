@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from elastic_rt.harness import REPO, child_env, wait_until
-from tests.fixtures.described_reference import assert_outputs_equal_reference
+from tests.fixtures.described_reference import TINY_FLAGS, assert_outputs_equal_reference
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, exit_code, launch_args
 
@@ -35,7 +35,7 @@ def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str):
     # a long last call: a and b both make the first round
     args = launch_args(etcd_server.endpoint, run_id, "2:3", tmp / "events.jsonl", node_id=name,
                        extra=("--last-call", "5"))
-    script = [SCRIPT, "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH),
+    script = [SCRIPT, *TINY_FLAGS, "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH),
               "--samples", str(SAMPLES), "--max-pp", "3", "--tp-options", "1", "--float64",
               "--schedule", "GPipe", "--step-time", "0.1", "--out", str(tmp / "out")]
     return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
