@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import default_collate
 
 from elastic_rt.harness import described_model as dm
+from elastic_rt.sampler import ElasticSampler
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,6 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
     from elastic_rt.checkpoint import Checkpointer
     from elastic_rt.layout import Layout
     from elastic_rt.process_groups import destroy_groups
-    from elastic_rt.sampler import ElasticSampler
     from elastic_rt.worker.trainers import Progress, Restoring
     from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
     from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
@@ -83,6 +83,7 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
     sampler, progress, trainer = fresh()
     checkpoint = Checkpointer(checkpoint_url, async_save=False) if checkpoint_url else None
     sources: list[str] = []
+    losses: list[float] = []  # this rank's part of each step's global-batch loss
     outcome: dict[str, Any] = {"left": True}
     for number, (spec, steps) in enumerate(rounds):
         layout = Layout.from_dict(spec)
@@ -105,7 +106,8 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
         for _ in range(steps):
             micro = [(default_collate([data[i] for i in batch]), len(batch))
                      for batch in sampler.micro_batches()]
-            trainer.train(micro, global_len=GLOBAL_BATCH, ctx=ctx, step=progress.step + 1)
+            losses.append(trainer.train(micro, global_len=GLOBAL_BATCH, ctx=ctx,
+                                        step=progress.step + 1)[1])
             sampler.advance()
             progress.step += 1
         if checkpoint is not None:
@@ -115,7 +117,7 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
             checkpoint.wait()
         model = trainer.result().model
         outcome = {"params": {name: _whole(p) for name, p in model.named_parameters()},
-                   "moments": _moments(trainer), "step": progress.step}
+                   "moments": _moments(trainer), "step": progress.step, "losses": losses}
         trainer.release()
         destroy_groups(ctx.groups)
     return outcome if "left" in outcome else {**outcome, "sources": sources}
@@ -167,6 +169,19 @@ def test_a_layout_trains_the_parameters_of_one_process(layout: dict[str, int],
     results = run_workers(_rounds, world, args=([(layout, 3)], options, micro), timeout_s=60)
     _check(results, 3)
     assert {s for r in results for s in r["sources"]} == {"init"}
+    if layout["dp"] == 1:  # every rank's part is the whole loss, on every stage
+        first = _first_loss()
+        for result in results:  # a schedule's first step calls the loss once more
+            assert abs(result["losses"][0] - first) < 1e-9, (result["losses"], first)
+
+
+def _first_loss() -> float:
+    """The one-process loss of the first global batch."""
+    described = dm.describe()
+    sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0)
+    data = dm.Sequences(SAMPLES)
+    x, y = default_collate([data[i] for i in sampler.global_batch()])
+    return float(described.loss(described.model(x), y))
 
 
 def test_a_new_cut_takes_the_state_by_name_from_the_survivors() -> None:
@@ -204,7 +219,6 @@ def test_a_lost_tensor_parallel_part_comes_back_from_its_peer_copy_into_a_new_cu
 def _bad_loss_step(env: WorkerEnv) -> str:
     """One pp2 step whose loss raises on the last stage: what each rank's train raises."""
     from elastic_rt.layout import Layout
-    from elastic_rt.sampler import ElasticSampler
     from elastic_rt.worker.trainers import Progress, Restoring
     from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
     from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer

@@ -260,6 +260,9 @@ class RuntimeParallelTrainer:
                 # the schedule runs forward and backward in one call
                 with autocast(self.autocast_dtype, ctx.layout, device.type):
                     self.pipeline.step(inputs, target, n)
+                # a new schedule's first step calls the loss once more, before the
+                # micro-batches, to infer the gradients' shapes (torch 2.13): not a loss
+                self._losses = self._losses[-n:] if self.pipeline.has_last else []
             elif samples:
                 self._backward_each(micro_batches, ctx.layout, device)
         loss_sum = self._loss_sum(ctx)
