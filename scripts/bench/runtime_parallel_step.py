@@ -2,21 +2,23 @@
 
 The twin is what a user writes by hand with torch alone: ``nn.Sequential`` stages of the
 same decoder (``scripts/examples/described_train.py``), ``PipelineStage`` +
-``Schedule1F1B`` for ``pp2``, ``parallelize_module`` with the same plan for ``tp2``, AdamW.
-The runtime's side is ``RuntimeParallelTrainer.train`` (loss weighting per micro-batch, the
-loss broadcast to every stage, the dp gradient sum, batches to the device) on the same
-round's groups. Blocks of ``--window`` steps alternate between the two so both see the
-same load; the figure is the median block time per step of each, and their ratio.
+``Schedule1F1B`` for ``pp2``, ``parallelize_module`` with the same plan for ``tp2``, and for
+``fsdp2xtp2`` that plan, then ``fully_shard`` per block and on the root over the dp mesh
+(torchtitan's order), AdamW. The runtime's side is ``RuntimeParallelTrainer.train`` (loss
+weighting per micro-batch, the loss broadcast to every stage, the dp gradient sum, batches to
+the device) on the same round's groups, each dp rank on its share. Blocks of ``--window``
+steps alternate between the two so both see the same load; the figure is the median block
+time per step of each, and their ratio.
 
-Run:  python scripts/bench/runtime_parallel_step.py --layout pp2      # 2 gloo processes
+Run:  python scripts/bench/runtime_parallel_step.py --layout pp2        # 2 gloo processes
       python scripts/bench/runtime_parallel_step.py --layout tp2
+      python scripts/bench/runtime_parallel_step.py --layout fsdp2xtp2  # 4 gloo processes
 
-Measured 2026-12-06 on this 2-core machine under a load average of 3-4 (other jobs),
-3.2M parameters, global batch 16 x 64 tokens: pp2 0.973 and 1.001; tp2 1.034, 1.009 and
-0.943 (the example's earlier GPT-style decoder). Again with its Llama-style decoder (3.2M
-parameters, the same batch) under a load average of 5-7: pp2 0.860 and 1.054; tp2 1.162 and
-0.982. The spread between runs (+-5 % at the lighter load, +-15 % at the heavier) is the
-machine's; no overhead of the runtime shows above it.
+Measured 2026-12-06 on this 2-core machine with nothing else running (load average < 1),
+the example's Llama-style decoder (3.2M parameters), global batch 16 x 64 characters, 60
+steps a side: pp2 247.6 vs 247.2 ms (1.002), tp2 311.1 vs 310.4 ms (1.002), fsdp2xtp2
+452.3 vs 454.0 ms (0.996). Under a load average of 3-7 (other jobs) the ratio wanders by
++-5-15 % either way (pp2 0.86-1.05, tp2 0.94-1.16, fsdp2xtp2 1.045): the machine's noise.
 """
 
 from __future__ import annotations
