@@ -29,7 +29,7 @@ beyond a step, 1 step redone (restore from peer copies 124-393 ms). Survivors' w
 540-547 MB (torch itself ~350 MB; the copies are four parts' state, ~51 MB for pp3,
 computed). One earlier trial of ``pp2xdp2``, started right after another benchmark, ended
 with node ``a`` exiting 1; its logs were lost with its temporary folder (``--workdir``
-keeps them now) and 7 trials since have not shown it again.
+keeps them now) and 12 trials since have not shown it again.
 """
 
 from __future__ import annotations
