@@ -39,22 +39,24 @@ class _Registry:
         self.kv = kv
 
 
-def _keeper(store: _Store, fenced: list[tuple[float, str]]) -> LeaseKeeper:
+def _failing_keeper(failure: type[StoreError]) -> tuple[LeaseKeeper, _Store,
+                                                        list[tuple[float, str]], float]:
+    """A keeper of a 1.5 s lease (its fence at 1.0 s) whose renewals fail from the returned
+    time on, and the (time, why) of each fence."""
+    store, fenced = _Store(failure), list[tuple[float, str]]()
     keeper = LeaseKeeper(_Registry(store), NodeInfo("n1", "127.0.0.1", 1),  # type: ignore[arg-type]
                          timedelta(seconds=1.5),
                          on_fenced=lambda why: fenced.append((time.monotonic(), why)),
                          register=lambda lease: None)
     keeper.start()
-    return keeper
+    wait_until(lambda: store.timeouts or None, 5, "a renewal")
+    store.failing.set()
+    return keeper, store, fenced, time.monotonic()
 
 
 def test_an_unreachable_store_fences_the_node_before_its_lease_runs_out() -> None:
-    store, fenced = _Store(StoreConnectionError), list[tuple[float, str]]()
-    keeper = _keeper(store, fenced)
+    keeper, store, fenced, began = _failing_keeper(StoreConnectionError)
     try:
-        wait_until(lambda: store.timeouts or None, 5, "a renewal")
-        began = time.monotonic()
-        store.failing.set()
         wait_until(lambda: fenced or None, 5, "the fence")
         assert fenced[0][0] - began < 1.5  # the TTL: the others may drop it after that
         assert max(t for t in store.timeouts if t is not None) <= 0.3  # short calls
@@ -63,12 +65,8 @@ def test_an_unreachable_store_fences_the_node_before_its_lease_runs_out() -> Non
 
 
 def test_a_store_without_a_leader_holds_the_fence_off_for_one_ttl_at_most() -> None:
-    store, fenced = _Store(StoreElectingError), list[tuple[float, str]]()
-    keeper = _keeper(store, fenced)
+    keeper, _, fenced, began = _failing_keeper(StoreElectingError)
     try:
-        wait_until(lambda: store.timeouts or None, 5, "a renewal")
-        began = time.monotonic()
-        store.failing.set()
         with pytest.raises(WaitTimeout):  # the unreachable store's fence came before this
             wait_until(lambda: fenced or None, 1.3, "the fence")
         wait_until(lambda: fenced or None, 5, "the fence once the hold-off is over")
