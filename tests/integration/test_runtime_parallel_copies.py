@@ -1,6 +1,6 @@
-"""A pipeline stage (or an FSDP piece of a pp or tp part) whose only holder dies comes back
-from its peer copy, in real gloo processes: no checkpoint, at most ``peer_copy_every`` steps
-done again, the same parameters as one process.
+"""A pipeline stage whose only holder dies comes back from its peer copy, in real gloo
+processes: no checkpoint, at most ``peer_copy_every`` steps done again, the same parameters
+as one process. (FSDP pieces of pp and tp layouts: test_runtime_parallel_reshard.)
 
 pp2 over two "nodes" (one rank each) trains with copies of each stage on the other rank.
 Then rank 1 is lost: SIGKILLed between steps once its copies are out (rank 0's next step
@@ -144,16 +144,3 @@ def test_a_lost_stage_comes_back_from_its_peer_copy_with_no_checkpoint(
     assert set(got) == set(want) and survivor["step"] == newcomer["step"] == total
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
-
-
-def test_a_lost_fsdp_piece_of_a_tensor_parallel_part_comes_back_from_its_peer_copy() -> None:
-    # fsdp2xtp2, each rank a node: rank 3's FSDP piece has no other holder. With copies
-    # every step, rank 0 holds its copy of step 2 (made at the start of step 3), so pp3
-    # takes every piece of step 2 by name (_StridedShard boxes included) and does step 3
-    # again. (test_runtime_parallel_reshard: the same into fsdp3, for pp2xfsdp2 too.)
-    from tests.integration.test_runtime_parallel import _check, _rounds
-
-    rounds = [({"dp": 2, "tp": 2, "shard": 2}, 3), ({"dp": 1, "pp": 3}, 1)]
-    results = run_workers(_rounds, 4, args=(rounds, {}, None), timeout_s=90)
-    _check(results, 3)
-    assert [r["sources"][1] for r in results[:3]] == ["peer copies"] * 3
