@@ -10,6 +10,9 @@ in flight: the next refresh must end on the round's notice, not the groups' 10-m
 timeout, with the state untouched; the last completed snapshot stays, and the copy group is
 abandoned (torch's registry forgets it, so destroying the round's groups does not wait on
 the blocked exchange).
+
+On nodes of unequal sizes (ranks 0 and 1 on one node, rank 2 on another) the placement has
+rank 2 hold two copies: one exchange sends each rank's piece and gives rank 2 both.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from elastic_rt.layout import Layout
 from elastic_rt.process_groups import abandon_groups, init_groups, side_group
 from elastic_rt.errors import RoundAbandoned
 from elastic_rt.worker.abort import round_notice
+from elastic_rt.worker.trainers.copy_placement import copy_holders, held_for
 from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring
 from tests.fixtures.torchdist import (
     NOTICE_AFTER_S,
@@ -55,8 +59,8 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
     other = 1 - env.rank
     group = side_group(groups.world, TEN_MINUTES)
     assert group is not None
-    copies = PeerCopies(group, Ring(to=other, source=other, count=2, own_index=env.rank,
-                                    peer_index=other), every=1)
+    copies = PeerCopies(group, Ring(to=other, sources=(other,), count=2, own_index=env.rank,
+                                    peer_indices=(other,)), every=1)
     notice = round_notice()
     notice.train_in(loopback_round(0, "a", "b"))
     live = _piece(env.rank, 0)
@@ -121,3 +125,37 @@ def test_copies_count_once_complete_and_a_hung_peer_holds_no_step() -> None:
     assert survivor["waited"] < NOTICE_AFTER_S + 5  # not the 10-minute timeout
     assert survivor["kept"] == [1]  # the last exchange that completed
     assert not survivor["registered"]  # abandoned: destroying the round's groups skips it
+
+
+def _copy_on_unequal_nodes(env: WorkerEnv) -> dict[str, object]:
+    groups = init_groups(env.store, rank=env.rank, world_size=3, layout=Layout(dp=3),
+                         prefix="/elastic_rt/test/round-0/", timeout=TEN_MINUTES)
+    holders = copy_holders(["a", "a", "b"])
+    assert holders is not None
+    sources = held_for(env.rank, holders)
+    group = side_group(groups.world, TEN_MINUTES)
+    assert group is not None
+    copies = PeerCopies(group, Ring(to=holders[env.rank], sources=sources, count=3,
+                                    own_index=env.rank, peer_indices=sources), every=1)
+    copies.refresh(0, _piece(env.rank, 0), {"step": 0})
+    wait_until(lambda: copies.completed, 30, "the exchange")
+    snapshot = copies.completed[-1]
+    held = {index: snapshot.piece(index)["params"]["w"].tolist()
+            for index in (env.rank, *sources)}
+    bytes_held = copies.host_bytes()
+    copies.close()
+    abandon_groups(groups)
+    return {"holder": holders[env.rank], "held": held, "bytes": bytes_held,
+            "holdings": [h.index for h in snapshot.holdings()]}
+
+
+def test_a_rank_of_the_smaller_node_holds_the_copies_of_each_rank_of_the_larger() -> None:
+    results = run_workers(_copy_on_unequal_nodes, 3, timeout_s=60)
+    assert [r["holder"] for r in results] == [2, 2, 0]
+    assert results[2]["held"] == {2: [20.0, 21.0, 22.0], 0: [0.0, 1.0, 2.0],
+                                  1: [10.0, 11.0, 12.0]}
+    assert results[0]["held"] == {0: [0.0, 1.0, 2.0], 2: [20.0, 21.0, 22.0]}
+    assert results[1]["held"] == {1: [10.0, 11.0, 12.0]}  # it holds no copy
+    assert results[2]["holdings"] == [2, 0, 1]
+    # two copies held: two more pieces of host memory than a rank holding one
+    assert results[2]["bytes"] > results[0]["bytes"] > results[1]["bytes"]

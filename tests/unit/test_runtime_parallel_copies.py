@@ -14,7 +14,6 @@ from elastic_rt.worker.trainers.runtime_parallel.copy_sources import (
     Copy,
     needs_copies,
     pick_sources,
-    ring_shift,
 )
 
 PP2 = (2, 1)
@@ -79,17 +78,6 @@ def test_snapshots_of_another_cut_are_never_mixed_into_a_cut() -> None:
 def test_copies_are_kept_where_one_node_holds_every_holder_of_a_part(
         layout: Layout, nodes: str, want: bool) -> None:
     assert needs_copies(layout, list(nodes)) is want
-
-
-@pytest.mark.parametrize("nodes, shift", [
-    ("ab", 1), ("aabb", 2), ("aaabbbccc", 3), ("abab", 1),
-    ("aa", None),      # one node: nowhere to copy to
-    ("aaab", None),    # three ranks and one: no shift puts every copy on another node
-    ("aabbb", None),
-])
-def test_the_ring_shift_puts_every_ranks_copy_on_another_node(nodes: str,
-                                                              shift: int | None) -> None:
-    assert ring_shift(list(nodes)) == shift
 
 
 def test_a_negative_copy_interval_is_one_config_error_line() -> None:

@@ -30,12 +30,8 @@ from elastic_rt.worker.trainers.checkpoint_restore import named_state
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.model_parallel.part_broadcast import Part
 from elastic_rt.worker.trainers.runtime_parallel.by_name import Offer, flatten, offer_of
-from elastic_rt.worker.trainers.runtime_parallel.copy_sources import (
-    Copy,
-    gather_nodes,
-    needs_copies,
-    ring_shift,
-)
+from elastic_rt.worker.trainers.copy_placement import copy_holders, gather_nodes, held_for
+from elastic_rt.worker.trainers.runtime_parallel.copy_sources import Copy, needs_copies
 from elastic_rt.worker.trainers.runtime_parallel.sharding import piece_of
 from elastic_rt.worker.trainers.runtime_step import initialize_optimizer_state
 from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring, Snapshot
@@ -67,7 +63,7 @@ def _piece(state: TrainState, cut: Part, part: Part) -> dict[str, Any]:
 
 
 class PartCopies:
-    """This rank's snapshots of its part and copies of its ring neighbour's, across rounds.
+    """This rank's snapshots of its part and of the copies it holds, across rounds.
 
     Used from the training thread only. The snapshots of the round before the last restore
     stay until the restore that reads them has moved them (:meth:`clear`).
@@ -82,23 +78,26 @@ class PartCopies:
         self.snapshots: list[Snapshot] = []  # completed ones, once the exchange stopped
 
     def start(self, ctx: Context) -> None:
-        """This round's ring, where one node's loss could take a part (collective)."""
+        """This round's placement, where one node's loss could take a part (collective)."""
         if not self.every:
             return
         nodes = gather_nodes(ctx.node_id, ctx.groups.world)  # nodes may differ in size
-        shift = ring_shift(nodes)
-        if shift is None or not needs_copies(ctx.layout, nodes):
-            if shift is None and needs_copies(ctx.layout, nodes) and ctx.rank == 0:
-                logger.warning("no ring puts every rank's copy on another node (nodes %s): "
-                               "parts without a replica come back from the checkpoint", nodes)
+        holders = copy_holders(nodes)
+        if holders is None or not needs_copies(ctx.layout, nodes):
+            if holders is None and needs_copies(ctx.layout, nodes) and ctx.rank == 0:
+                logger.warning("every rank is on node %s: parts without a replica come back "
+                               "from the checkpoint", nodes[0])
             return
         group = side_group(ctx.groups.world, group_timeout(ctx.groups.dp))
         assert group is not None  # the round's groups exist
-        holder, source = (ctx.rank + shift) % ctx.world_size, (ctx.rank - shift) % ctx.world_size
+        sources = held_for(ctx.rank, holders)
         (pieces, width), (opp, otp) = piece_of(ctx.layout, ctx.rank)
-        _, (spp, stp) = piece_of(ctx.layout, source)
-        ring = Ring(to=holder, source=source, count=pieces * width, own_index=opp * width + otp,
-                    peer_index=spp * width + stp)
+        indices = []
+        for source in sources:
+            _, (spp, stp) = piece_of(ctx.layout, source)
+            indices.append(spp * width + stp)
+        ring = Ring(to=holders[ctx.rank], sources=sources, count=pieces * width,
+                    own_index=opp * width + otp, peer_indices=tuple(indices))
         self.round = PeerCopies(group, ring, every=self.every)
 
     def refresh(self, ctx: Context, committed: int, state: TrainState,
@@ -129,13 +128,13 @@ class PartCopies:
     def held(self) -> list[Copy]:
         """The parts of the completed snapshots, for the choice of sources."""
         return [Copy(s.step, piece["cut"], piece["part"]) for s in self.snapshots
-                for piece in (s.own, s.peer)]
+                for piece in (s.own, *s.peers)]
 
     def offer(self, step: int, part: Part) -> tuple[Offer, dict[str, Any], bool]:
         """The snapshot of ``part`` at ``step`` to send from, its record, and whether its
         optimizer had taken no step (:func:`named_part`)."""
         for snapshot in self.snapshots:
-            for piece in (snapshot.own, snapshot.peer):
+            for piece in (snapshot.own, *snapshot.peers):
                 if snapshot.step == step and piece["part"] == part:
                     return (Offer(piece["described"], piece["tensors"]), snapshot.meta,
                             piece["is_fresh"])

@@ -3,14 +3,13 @@
 Rule: the newest step at which every ``(pp, tp)`` part of one cut has a source wins; a part's
 source is, in this order, the lowest rank holding it live (it finished that step and did not
 start the next) and the lowest rank holding a completed snapshot of it at that step (its own
-part's, or the copy of its ring neighbour's, ``copies``). Live state and a snapshot of one
-step are the same bytes, so one cut may mix them: after a node loss the survivors give their
-own parts, and the lost parts come from the copies their ring holders keep. With no copies
-this is the survivors' choice alone. None: no step is covered, and the caller falls back to
-the checkpoint.
+part's, or a copy it holds for a rank on another node, ``copies``). Live state and a
+snapshot of one step are the same bytes, so one cut may mix them: after a node loss the
+survivors give their own parts, and the lost parts come from the copies their holders
+keep. With no copies this is the survivors' choice alone. None: no step is covered, and the
+caller falls back to the checkpoint.
 
-:func:`pick_sources`, :func:`needs_copies` and :func:`ring_shift` are pure; :func:`gather`
-is the one collective.
+:func:`pick_sources` and :func:`needs_copies` are pure; :func:`gather` is the one collective.
 """
 
 from __future__ import annotations
@@ -65,31 +64,12 @@ def pick_sources(holders: list[Holder], copies: list[list[Copy]]) -> Choice | No
 
 def needs_copies(layout: Layout, nodes: list[str]) -> bool:
     """Whether one node's loss can take every holder of a part (no replica on another node):
-    then each rank keeps a copy of its ring neighbour's part. ``nodes[r]`` is rank ``r``'s.
+    then each rank's part is copied to another node. ``nodes[r]`` is rank ``r``'s.
     Sharded, a part is one piece: its holders are the same piece in each replica."""
     holders = ([[layout.rank_of(pp, dp, tp) for dp in range(layout.dp)]
                 for pp in range(layout.pp) for tp in range(layout.tp)]
                if layout.shard == 1 else layout.replicate_groups())
     return any(len({nodes[rank] for rank in ranks}) == 1 for ranks in holders)
-
-
-def ring_shift(nodes: list[str]) -> int | None:
-    """The smallest ``k`` for which every rank's ``k``-th successor (mod the world) is on
-    another node: rank ``r`` copies to ``r + k`` and keeps ``r - k``'s copy. With equal nodes
-    of consecutive ranks it is the ranks per node (the same local rank on the next node).
-    None when there is none (one node; or nodes of unequal sizes that no shift separates)."""
-    world = len(nodes)
-    for k in range(1, world):
-        if all(nodes[r] != nodes[(r + k) % world] for r in range(world)):
-            return k
-    return None
-
-
-def gather_nodes(node: str, group: dist.ProcessGroup) -> list[str]:
-    """Every rank's node, indexed by rank in ``group``. Collective."""
-    nodes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(nodes, node, group=group)
-    return [str(n) for n in nodes]
 
 
 def gather(mine: Holder, copies: list[Copy],

@@ -2,10 +2,11 @@
 
 Under FSDP (one sharded copy of the state, no replica) a lost node takes its pieces with it.
 Gemini (SOSP'23) keeps each rank's shards in a peer's host memory; here every ``every`` steps
-each rank sends its piece to its *ring holder*, the rank one node further on
-(``rank + ranks_per_node``, so the copy lives on another node), and keeps a :class:`Snapshot`:
+each rank sends its piece to its *holder*, a rank on another node (``copy_placement``: the
+same local rank on the next node when nodes are equal), and keeps a :class:`Snapshot`:
 
-* ``peer``: the piece of the rank it holds for, and
+* ``peers``: the pieces of the ranks it holds for (one on equal nodes; none or several on
+  nodes of unequal sizes), and
 * ``own``: a snapshot of its own piece at the same step.
 
 Together they make every piece of the snapshot step available unless a node *and* the node
@@ -32,8 +33,9 @@ The runtime-parallel family sends its pipeline stages and tensor-parallel parts 
 same :class:`PeerCopies` (``runtime_parallel/copies.py``): a piece is any nest of tensors.
 
 Memory per rank: two send buffers (own pieces: the newest completed snapshot's and the next
-one's, or the one before) and two of the neighbour's copies (the newest completed, and the one
-before or the one arriving): four pieces, ``4 / N`` of the state on each of N ranks.
+one's, or the one before) and two of each copy it holds (the newest completed, and the one
+before or the one arriving): four pieces, ``4 / N`` of the state on each of N ranks, on equal
+nodes; a rank holding ``k`` copies keeps ``2 + 2k``.
 """
 
 from __future__ import annotations
@@ -57,40 +59,37 @@ from elastic_rt.worker.trainers.replica_broadcast import join_tensors, split_ten
 logger = logging.getLogger(__name__)
 
 
-def ring_holder(rank: int, world_size: int, ranks_per_node: int) -> int:
-    """The rank that keeps ``rank``'s copy: the same local rank on the next node."""
-    return (rank + ranks_per_node) % world_size
-
-
 @dataclass
 class Snapshot:
-    """One step's own piece and neighbour's copy, with the runtime state of that step."""
+    """One step's own piece and the copies held, with the runtime state of that step."""
 
     step: int
     count: int
     own_index: int
-    peer_index: int
+    peer_indices: tuple[int, ...]
     own: Piece
-    peer: Piece
+    peers: list[Piece]
     meta: dict[str, Any]
 
     def holdings(self) -> list[Holding]:
-        return [Holding(self.step, self.count, self.own_index),
-                Holding(self.step, self.count, self.peer_index)]
+        return [Holding(self.step, self.count, index)
+                for index in (self.own_index, *self.peer_indices)]
 
     def piece(self, index: int) -> Piece:
-        return self.own if index == self.own_index else self.peer
+        if index == self.own_index:
+            return self.own
+        return self.peers[self.peer_indices.index(index)]
 
 
 @dataclass(frozen=True)
 class Ring:
-    """Where one rank's copies go and come from, and which pieces they are."""
+    """Where one rank's copy goes, whose copies it keeps, and which pieces they are."""
 
     to: int
-    source: int
+    sources: tuple[int, ...]
     count: int
     own_index: int
-    peer_index: int
+    peer_indices: tuple[int, ...]
 
 
 class PeerCopies:
@@ -110,7 +109,7 @@ class PeerCopies:
         self._started = -1  # the step of the newest snapshot handed to the thread
         self._failed = False  # an exchange failed: no more copies this round
         self._closed = False
-        self._peer_bytes = 0
+        self._peer_bytes = 0  # of all the copies held
 
     @property
     def completed(self) -> list[Snapshot]:
@@ -199,23 +198,24 @@ class PeerCopies:
         """The background thread: swap with the ring, then publish the snapshot."""
         ring = self._ring
         try:
-            peer, self._peer_bytes = exchange(skeleton, payload, to=ring.to, source=ring.source,
-                                              group=self._group)
+            peers, self._peer_bytes = exchange(skeleton, payload, to=ring.to,
+                                               sources=ring.sources, group=self._group)
         except BaseException as exc:  # reported to the training thread by the future
             future.set_result(exc)
             return
         snapshot = Snapshot(step=step, count=ring.count, own_index=ring.own_index,
-                            peer_index=ring.peer_index, own=own, peer=peer, meta=meta)
+                            peer_indices=ring.peer_indices, own=own, peers=peers, meta=meta)
         with self._lock:
             if not self._closed:  # a late completion after close() is not used
                 self._completed = [*self._completed[-1:], snapshot]
         future.set_result(None)
 
 
-def exchange(skeleton: Any, payload: torch.Tensor, *, to: int, source: int,
-             group: dist.ProcessGroup) -> tuple[Piece, int]:
-    """Send a packed piece to rank ``to`` and receive rank ``source``'s (and its size in
-    bytes). Collective along the ring; blocking (gloo's point-to-point work has no future).
+def exchange(skeleton: Any, payload: torch.Tensor, *, to: int, sources: tuple[int, ...],
+             group: dist.ProcessGroup) -> tuple[list[Piece], int]:
+    """Send a packed piece to rank ``to`` and receive the pieces of ``sources`` (and their
+    size in bytes). Collective along the placement; blocking (gloo's point-to-point work has
+    no future).
 
     Structure and sizes travel first (a small pickled header, between our own processes), then
     the tensors as the one byte buffer ``payload`` that :meth:`PeerCopies.refresh` packed.
@@ -225,21 +225,24 @@ def exchange(skeleton: Any, payload: torch.Tensor, *, to: int, source: int,
     """
     header = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
     sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64)
-    their_sizes = torch.empty(2, dtype=torch.int64)
-    _swap(sizes, their_sizes, to, source, group)
-    their_header = torch.empty(int(their_sizes[0]), dtype=torch.uint8)
-    their_payload = torch.empty(int(their_sizes[1]), dtype=torch.uint8)
-    _swap(header, their_header, to, source, group)
-    _swap(payload, their_payload, to, source, group)
-    their_skeleton = pickle.loads(their_header.numpy().tobytes())
-    return join_tensors(their_skeleton, _views(their_skeleton, their_payload)), \
-        their_payload.numel()
+    their_sizes = [torch.empty(2, dtype=torch.int64) for _ in sources]
+    _send_and_receive(sizes, their_sizes, to, sources, group)
+    their_headers = [torch.empty(int(size[0]), dtype=torch.uint8) for size in their_sizes]
+    their_payloads = [torch.empty(int(size[1]), dtype=torch.uint8) for size in their_sizes]
+    _send_and_receive(header, their_headers, to, sources, group)
+    _send_and_receive(payload, their_payloads, to, sources, group)
+    pieces = []
+    for their_header, their_payload in zip(their_headers, their_payloads):
+        their_skeleton = pickle.loads(their_header.numpy().tobytes())
+        pieces.append(join_tensors(their_skeleton, _views(their_skeleton, their_payload)))
+    return pieces, sum(p.numel() for p in their_payloads)
 
 
-def _swap(mine: torch.Tensor, theirs: torch.Tensor, to: int, source: int,
-          group: dist.ProcessGroup) -> None:
-    works = [dist.isend(mine, group=group, group_dst=to),
-             dist.irecv(theirs, group=group, group_src=source)]
+def _send_and_receive(mine: torch.Tensor, theirs: list[torch.Tensor], to: int,
+                      sources: tuple[int, ...], group: dist.ProcessGroup) -> None:
+    works = [dist.isend(mine, group=group, group_dst=to)]
+    works += [dist.irecv(buffer, group=group, group_src=source)
+              for buffer, source in zip(theirs, sources)]
     for work in works:
         assert work is not None
         work.wait()

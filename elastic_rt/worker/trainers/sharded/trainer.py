@@ -7,9 +7,10 @@ round's mesh, so each round ``build`` makes a fresh model, the runtime shards it
 mesh, and the state comes, in this order of preference, from
 
 1. the pieces the ranks hold (their own shards, a surviving HSDP replica's): 0 steps lost;
-2. under FSDP, the snapshots ranks keep of their own and their ring neighbour's pieces
-   (``peer_copies``, exchanged beside training; only snapshots whose exchange completed
-   count): at most ``copy_every`` steps done again;
+2. under FSDP, the snapshots ranks keep of their own pieces and of the pieces they hold
+   copies of for ranks on other nodes (``peer_copies``, placed by ``copy_placement``,
+   exchanged beside training; only snapshots whose exchange completed count): at most
+   ``copy_every`` steps done again;
 3. the newest committed checkpoint, resharded (steps after it are done again);
 4. the initial state (rank 0's model, on a fresh start only).
 
@@ -22,10 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
-from elastic_rt.config import LOCAL_WORLD_SIZE_ENV
 from elastic_rt.errors import ConfigError
 from elastic_rt.layout import Layout
 from elastic_rt.process_groups import group_timeout, side_group
@@ -36,6 +35,7 @@ from elastic_rt.worker.trainers.checkpoint_restore import (
     from_checkpoint_or_init,
     load_checkpoint_into,
 )
+from elastic_rt.worker.trainers.copy_placement import copy_holders, gather_nodes, held_for
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.protocol import BuildFn, Restored, Restoring
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
@@ -53,7 +53,7 @@ from elastic_rt.worker.trainers.sharded.fsdp import (
     row_targets,
     shard_train_state,
 )
-from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring, Snapshot, ring_holder
+from elastic_rt.worker.trainers.sharded.peer_copies import PeerCopies, Ring, Snapshot
 from elastic_rt.worker.trainers.sharded.row_fetch import (
     Holding,
     fetch_rows,
@@ -177,17 +177,20 @@ class ShardedTrainer(TrainStateTrainer):
         self._stop_copies()
 
     def _start_copies(self, ctx: Context) -> None:
-        """This round's ring of peer copies, on a group of its own (FSDP only; collective)."""
+        """This round's peer copies, on a group of its own (FSDP only; collective)."""
         layout = ctx.layout
-        holder = ring_holder(ctx.rank, ctx.world_size, self.ranks_per_node)
-        if not self.copy_every or layout.shard == 1 or layout.replicas > 1 or holder == ctx.rank:
+        if not self.copy_every or layout.shard == 1 or layout.replicas > 1:
+            return
+        holders = copy_holders(gather_nodes(ctx.node_id, ctx.groups.world))
+        if holders is None:  # one node: no copy would outlive it
             return
         # As long as a training collective waits (the world group waits longer, to join).
         group = side_group(ctx.groups.world, group_timeout(ctx.groups.dp))
         assert group is not None  # the round's groups exist
-        source = (ctx.rank - self.ranks_per_node) % ctx.world_size
-        ring = Ring(to=holder, source=source, count=layout.shard,
-                    own_index=layout.shard_index(ctx.rank), peer_index=layout.shard_index(source))
+        sources = held_for(ctx.rank, holders)
+        ring = Ring(to=holders[ctx.rank], sources=sources, count=layout.shard,
+                    own_index=layout.shard_index(ctx.rank),
+                    peer_indices=tuple(layout.shard_index(source) for source in sources))
         self.copies = PeerCopies(group, ring, every=self.copy_every)
 
     def _stop_copies(self) -> None:
@@ -195,10 +198,6 @@ class ShardedTrainer(TrainStateTrainer):
         if self.copies is not None:
             self.snapshots = self.copies.close()
             self.copies = None
-
-    @property
-    def ranks_per_node(self) -> int:
-        return max(1, int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "1")))
 
     def _holdings(self, step: int, is_dirty: bool) -> list[Holding]:
         if self.held is None or is_dirty or step < 0:
