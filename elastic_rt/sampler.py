@@ -24,6 +24,7 @@ step, moves the position.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 from collections.abc import Iterator, Mapping
@@ -226,6 +227,13 @@ class ElasticSampler:
         if self._is_epoch_done(self._position):
             self._epoch += 1
             self._position = 0
+
+    def advanced(self) -> ElasticSampler:
+        """A copy with the current global batch consumed: the sampler as it will be once the
+        step in progress commits (for a record of that step taken inside it)."""
+        after = copy.copy(self)
+        after.advance()
+        return after
 
     def state_dict(self) -> dict[str, int]:
         """The sampler's state as a JSON-able dict (the world split is not part of it)."""

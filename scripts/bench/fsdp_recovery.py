@@ -15,9 +15,9 @@ groups and restore:
 
 Printed: the restore time of each (median of ``--repeats``, from the start of the restore to
 the state in place, as the loop's ``state.restored`` event measures it); the cost of the
-copies to a step: the time the training thread spends in a refresh (the snapshot, and any wait
-for the previous exchange) and the step time with copies against without (medians, first
-step left out); and the host memory the copies hold per rank.
+copies to a step: the step time with copies against without (medians, first step left out;
+a step with copies includes the snapshot at its end and any wait for the previous send); and
+the host memory the copies hold per rank.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def step_fn(state: TrainState, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 def join(store: dist.Store, rank: int, layout: Layout, prefix: str) -> Context:
     groups = init_groups(store, rank=rank, world_size=layout.world_size, layout=layout,
                          prefix=prefix, timeout=TIMEOUT)
-    return Context(rank=rank, world_size=layout.world_size, local_rank=rank % 2, node_id="n",
+    return Context(rank=rank, world_size=layout.world_size, local_rank=rank % 2,
+                   node_id=f"n{rank // 2}",
                    round=0, token=0, layout=layout, groups=groups)
 
 
@@ -105,27 +106,23 @@ def main() -> None:
             progress = Progress()
             trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=samples,
                                       progress=progress))
-            refresh, step_times = [], []
+            step_times = []
             for step in range(1, args.steps + 1):
                 began = time.perf_counter()
-                trainer._refresh_snapshot(step - 1)  # what train() does first
-                refreshed = time.perf_counter()
                 trainer.train([(batch, 8)], global_len=8, ctx=ctx, step=step)
                 step_times.append(time.perf_counter() - began)
-                refresh.append(refreshed - began)
                 progress.step = step
             step_s[every] = statistics.median(step_times[1:] or step_times)
             if not every:
                 trainer.release()
-        trainer._refresh_snapshot(args.steps)  # as the next step would
-        assert trainer.copies is not None
+        assert trainer.copies is not None  # the last step sent its snapshot
         copies_mib = trainer.copies.host_bytes() / 2**20
         ckpt = Checkpointer(f"file://{folder}/{repeat}")
         ckpt.save(progress.step, trainer.checkpoint_state(), layout=ctx.layout.to_dict(),
                   extra=trainer.checkpoint_meta(step=progress.step, sampler=samples).encode(),
                   process_group=ctx.groups.world)
         ckpt.wait()
-        trainer.release()  # waits for the exchange in flight: the snapshot of the last step
+        trainer.release()  # waits for the send in flight: the snapshot of the last step
         assert trainer.snapshots and trainer.snapshots[-1].step == args.steps
         destroy_groups(ctx.groups)
         if rank >= 2:
@@ -144,8 +141,7 @@ def main() -> None:
             print(f"repeat {repeat + 1}: restore from peer memory "
                   f"{results['peer memory'][-1]:.2f} s, from checkpoint "
                   f"{results['checkpoint'][-1]:.2f} s; step with copies "
-                  f"{step_s[1] * 1000:.0f} ms vs without {step_s[0] * 1000:.0f} ms, refresh "
-                  f"in the step {statistics.median(refresh[1:]) * 1000:.1f} ms; copies "
+                  f"{step_s[1] * 1000:.0f} ms vs without {step_s[0] * 1000:.0f} ms; copies "
                   f"{copies_mib:.0f} MiB per rank "
                   f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     if rank == 0:

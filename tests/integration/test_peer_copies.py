@@ -1,18 +1,18 @@
-"""Peer copies are exchanged beside training, in real gloo processes, and never hold a step.
+"""Peer copies are sent beside training, in real gloo processes, and never hold a step.
 
-Two ranks (one per "node") swap snapshots of a piece along the ring with
-``PeerCopies``. A snapshot must count only once its exchange has completed on this rank
-(a refresh whose peer has not sent yet leaves the previous one), must be a copy (the step
-that follows changes the live tensors), and must arrive whole (tensors of mixed dtypes); the
-one before the newest stays until the next refresh reuses its buffer.
-Then rank 1 hangs (SIGSTOP: its sockets stay open, nothing fails) while rank 0's exchange is
-in flight: the next refresh must end on the round's notice, not the groups' 10-minute
-timeout, with the state untouched; the last completed snapshot stays, and the copy group is
-abandoned (torch's registry forgets it, so destroying the round's groups does not wait on
-the blocked exchange).
+Two ranks (one per "node") send each other snapshots of a piece with ``PeerCopies``. A
+rank's own snapshot counts at once; a copy once it has arrived whole (tensors of mixed
+dtypes, the sender's runtime state with it); a snapshot is a copy (the step that follows
+changes the live tensors); the two newest of each piece are kept. A copy lands while its
+holder is busy elsewhere (the holder's receive waits for it all round): rank 0's copy of step
+1 reaches rank 1 before rank 1 has refreshed. Then rank 1 hangs (SIGSTOP: its sockets stay
+open, nothing fails) while rank 0's send is in flight: the next refresh must end on the
+round's notice, not the groups' 10-minute timeout, with the state untouched; the snapshots
+and copies so far stay, and the copy group is abandoned (torch's registry forgets it, so
+destroying the round's groups does not wait on the blocked send).
 
 On nodes of unequal sizes (ranks 0 and 1 on one node, rank 2 on another) the placement has
-rank 2 hold two copies: one exchange sends each rank's piece and gives rank 2 both.
+rank 2 hold two copies: each rank's piece is sent once, and rank 2 gets both.
 """
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ def _piece(rank: int, step: int) -> dict[str, Any]:
             "groups": [{"lr": 0.1 * (step + 1)}]}
 
 
+def _steps(copies: PeerCopies, index: int) -> list[int]:
+    return [s.step for s in copies.completed if s.index == index]
+
+
+def _piece_of(copies: PeerCopies, step: int, index: int) -> dict[str, Any]:
+    return next(s.piece for s in copies.completed if s.step == step and s.index == index)
+
+
 def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
     groups = init_groups(env.store, rank=env.rank, world_size=2, layout=Layout(dp=2),
                          prefix="/elastic_rt/test/round-0/", timeout=TEN_MINUTES)
@@ -64,39 +72,41 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
     notice = round_notice()
     notice.train_in(loopback_round(0, "a", "b"))
     live = _piece(env.rank, 0)
-    copies.refresh(0, live, {"step": 0})
+    copies.refresh(0, live, {"step": 0, "rank": env.rank})
     live["params"]["w"].add_(100.0)  # the step changes the live state in place
-    wait_until(lambda: copies.completed, 30, "the first exchange")
-    first = copies.completed[-1]
-    own, peer = first.piece(env.rank), first.piece(other)
+    wait_until(lambda: _steps(copies, other), 30, "the first copy")
+    own, peer = _piece_of(copies, 0, env.rank), _piece_of(copies, 0, other)
     # Views into the buffers the refresh after next reuses (that snapshot is gone by then).
     seen = {"own_w": own["params"]["w"].tolist(), "peer_w": peer["params"]["w"].tolist(),
             "peer_step": int(peer["optim_whole"]["step"]),
             "peer_flag": peer["optim_whole"]["flag"].tolist(), "peer_lr": peer["groups"][0]["lr"],
-            "meta": first.meta}
+            "meta": next(s.meta for s in copies.completed if s.index == other)}
 
-    # Rank 1 refreshes late: until it does, rank 0's snapshot of step 1 has not arrived.
-    if env.rank == 1:
-        env.store.wait(["0-refreshed"])
-    copies.refresh(1, _piece(env.rank, 1), {"step": 1})
-    while_in_flight = [s.step for s in copies.completed]
+    # Rank 0 sends step 1 while rank 1 is busy elsewhere (it has not refreshed): the copy
+    # must land on rank 1 all the same, its receive waiting for it the whole round.
     if env.rank == 0:
+        copies.refresh(1, _piece(env.rank, 1), {"step": 1})
+        before_peer = {"own": _steps(copies, 0), "held": _steps(copies, 1)}
         env.store.set("0-refreshed", "1")
-    wait_until(lambda: copies.completed[-1].step == 1, 30, "the second exchange")
-    after_two = [s.step for s in copies.completed]
+    else:
+        env.store.wait(["0-refreshed"])
+        wait_until(lambda: _steps(copies, 0) == [0, 1], 30, "rank 0's copy of step 1")
+        before_peer = {"own": _steps(copies, 1), "held": _steps(copies, 0)}
+        copies.refresh(1, _piece(env.rank, 1), {"step": 1})
+    wait_until(lambda: _steps(copies, other) == [0, 1], 30, "the copies of step 1")
 
     dist.barrier(group=groups.world)
     if env.rank == 1:
         env.store.set("hung-pid", str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGSTOP)  # hangs before its third exchange
+        os.kill(os.getpid(), signal.SIGSTOP)  # hangs before its third refresh
     env.store.wait(["hung-pid"])
     copies.refresh(2, _piece(env.rank, 2), {"step": 2})  # in flight, and it never ends
-    while_hung = [s.step for s in copies.completed]  # step 0's buffer was reused
+    while_hung = {"own": _steps(copies, env.rank), "held": _steps(copies, other)}
     # what the worker's round watch does when the agents evict the hung node
     threading.Timer(NOTICE_AFTER_S, notice.observe, args=(loopback_round(1, "a"),)).start()
     began = time.monotonic()
     try:
-        copies.refresh(3, _piece(env.rank, 3), {"step": 3})  # first waits for step 2's
+        copies.refresh(3, _piece(env.rank, 3), {"step": 3})  # first waits for step 2's send
         outcome = "refreshed"
     except RoundAbandoned:
         outcome = "abandoned"
@@ -105,25 +115,25 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
     registered = group in dist.distributed_c10d._world.pg_map
     abandon_groups(groups)
     os.kill(int(env.store.get("hung-pid")), signal.SIGKILL)  # its agent would stop it
-    return {**seen, "in_flight": while_in_flight, "after_two": after_two,
-            "while_hung": while_hung, "outcome": outcome, "waited": waited,
-            "kept": [s.step for s in kept], "registered": registered}
+    return {**seen, "before_peer": before_peer, "while_hung": while_hung, "outcome": outcome,
+            "waited": waited, "kept": sorted((s.index, s.step) for s in kept),
+            "registered": registered}
 
 
-def test_copies_count_once_complete_and_a_hung_peer_holds_no_step() -> None:
+def test_copies_land_while_the_holder_is_busy_and_a_hung_peer_holds_no_step() -> None:
     results = run_workers(_copy_then_hang, 2, timeout_s=90, may_die=frozenset({1}))
     survivor = results[0]
     assert survivor is not None and results[1] is None
     assert survivor["own_w"] == [0.0, 1.0, 2.0]  # a copy: the step's change is not in it
     assert survivor["peer_w"] == [10.0, 11.0, 12.0] and survivor["peer_step"] == 0
     assert survivor["peer_flag"] == [True, False] and survivor["peer_lr"] == pytest.approx(0.1)
-    assert survivor["meta"] == {"step": 0}
-    assert survivor["in_flight"] == [0]  # step 1's copy had not arrived: step 0's counts
-    assert survivor["after_two"] == [0, 1]  # the one before stays until its buffer is reused
-    assert survivor["while_hung"] == [1]
+    assert survivor["meta"] == {"step": 0, "rank": 1}  # the sender's, with its piece
+    # its own snapshot counts at once; rank 1's copy of step 1 has not been sent yet
+    assert survivor["before_peer"] == {"own": [0, 1], "held": [0]}
+    assert survivor["while_hung"] == {"own": [1, 2], "held": [0, 1]}  # two newest of each
     assert survivor["outcome"] == "abandoned"
     assert survivor["waited"] < NOTICE_AFTER_S + 5  # not the 10-minute timeout
-    assert survivor["kept"] == [1]  # the last exchange that completed
+    assert survivor["kept"] == [(0, 1), (0, 2), (1, 0), (1, 1)]
     assert not survivor["registered"]  # abandoned: destroying the round's groups skips it
 
 
@@ -138,15 +148,13 @@ def _copy_on_unequal_nodes(env: WorkerEnv) -> dict[str, object]:
     copies = PeerCopies(group, Ring(to=holders[env.rank], sources=sources, count=3,
                                     own_index=env.rank, peer_indices=sources), every=1)
     copies.refresh(0, _piece(env.rank, 0), {"step": 0})
-    wait_until(lambda: copies.completed, 30, "the exchange")
-    snapshot = copies.completed[-1]
-    held = {index: snapshot.piece(index)["params"]["w"].tolist()
-            for index in (env.rank, *sources)}
+    wait_until(lambda: all(_steps(copies, source) for source in sources), 30, "the copies")
+    held = {s.index: s.piece["params"]["w"].tolist() for s in copies.completed}
     bytes_held = copies.host_bytes()
-    copies.close()
+    kept = copies.close()
     abandon_groups(groups)
     return {"holder": holders[env.rank], "held": held, "bytes": bytes_held,
-            "holdings": [h.index for h in snapshot.holdings()]}
+            "kept": [s.holding().index for s in kept]}
 
 
 def test_a_rank_of_the_smaller_node_holds_the_copies_of_each_rank_of_the_larger() -> None:
@@ -156,6 +164,6 @@ def test_a_rank_of_the_smaller_node_holds_the_copies_of_each_rank_of_the_larger(
                                   1: [10.0, 11.0, 12.0]}
     assert results[0]["held"] == {0: [0.0, 1.0, 2.0], 2: [20.0, 21.0, 22.0]}
     assert results[1]["held"] == {1: [10.0, 11.0, 12.0]}  # it holds no copy
-    assert results[2]["holdings"] == [2, 0, 1]
+    assert results[2]["kept"] == [2, 0, 1]
     # two copies held: two more pieces of host memory than a rank holding one
     assert results[2]["bytes"] > results[0]["bytes"] > results[1]["bytes"]

@@ -207,12 +207,12 @@ def test_a_lost_part_comes_back_from_the_checkpoint_loaded_by_name_into_the_new_
 
 
 def test_a_lost_tensor_parallel_part_comes_back_from_its_peer_copy_into_a_new_cut() -> None:
-    # The same loss with copies every step: rank 0 holds rank 3's copy of step 2 (made at
-    # the start of step 3), so pp3 takes every part of step 2 by name without storage and
-    # does step 3 again.
+    # The same loss with copies every step: rank 0 holds rank 3's copy of step 3 (sent as
+    # rank 3 finished it), so pp3 takes every part of step 3 by name without storage and
+    # nothing is done again.
     rounds = [({"dp": 1, "pp": 2, "tp": 2}, 3), ({"dp": 1, "pp": 3}, 1)]
     results = run_workers(_rounds, 4, args=(rounds, {}, None), timeout_s=60)
-    _check(results, 3)
+    _check(results, 4)
     assert [r["sources"][1] for r in results[:3]] == ["peer copies"] * 3
 
 

@@ -78,9 +78,9 @@ def test_a_lost_rank_is_replanned_from_the_survivors_and_a_newcomer_grows_it_bac
     # SIGKILL), the 3 survivors train 2 steps in the planner's 3-rank layout (dp3, or
     # fsdp3 where sharding is allowed), and the worker comes back holding nothing, as rank
     # 3 of the 4-rank layout. No checkpoint. An FSDP piece has one holder, so the sharded
-    # layouts take the lost worker's piece from the copy its ring neighbour keeps (of step
-    # 1, made as step 2 began: step 2 is done again); the others lose nothing and keep no
-    # copies: what the survivors hold is all there is.
+    # layouts take the lost worker's piece from the copy its holder keeps (of step 2, sent
+    # as the worker finished it: nothing is done again); the others keep no copies: what
+    # the survivors hold is all there is.
     layout, limits, lost = _KILLED[name]
     is_sharded = layout.get("shard", 1) > 1
     three = plan_layout(3, limits)
@@ -91,7 +91,7 @@ def test_a_lost_rank_is_replanned_from_the_survivors_and_a_newcomer_grows_it_bac
     results = run_workers(partial(_rounds, rejoin=True, members=members), 4,
                           args=(rounds, {}, None, None, 1 if is_sharded else 0),
                           timeout_s=120)
-    _check(results, 5 if is_sharded else 6)
+    _check(results, 6)
     again = "peer copies" if is_sharded else "survivors"
     for worker in stayed:
         assert results[worker]["sources"] == ["init", again, "survivors"]

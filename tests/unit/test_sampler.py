@@ -301,3 +301,15 @@ def test_a_straggler_gets_a_smaller_share_until_the_world_changes() -> None:
         sampler.set_weights((1, 1))
     sampler.set_world(1, 2)
     assert sampler.weights is None and sampler.local_batch() == list(range(6, 12))
+
+
+def test_advanced_is_the_state_after_the_step_in_progress_and_leaves_the_sampler_alone() -> None:
+    # a record of a step taken inside it (a peer copy) needs the position after it
+    sampler = ElasticSampler(10, global_batch_size=4, seed=3)
+    sampler.advance()
+    before = sampler.state_dict()
+    after = sampler.advanced()
+    assert sampler.state_dict() == before
+    sampler.advance()
+    assert after.state_dict() == sampler.state_dict()
+    assert after.advanced().state_dict()["epoch"] == 1  # 10 samples: the third batch rolls it

@@ -1,19 +1,19 @@
 """Peer copies of pipeline stages and tensor-parallel parts in host memory.
 
 A part (a ``(pp, tp)`` cut of the model) with no replica on another node is lost with its
-node. Like the FSDP family (``sharded/peer_copies``, whose exchange this reuses), every
-``every`` steps each rank snapshots its own part by name (local tensors, how each is cut,
-and the :class:`TrainMeta` of that step) and sends a copy to its ring holder, the nearest
-rank after it such that every rank's holder is on another node (``copy_sources.ring_shift``;
-the same local rank on the next node when nodes are equal), in the background on a side
-group. A snapshot counts once its
-exchange completed; the newest completed one and the one before it are kept. A restore then
-finds each lost part in its holder's copy (``copy_sources``) and moves it by name like a
-live part (``by_name.fetch_offers``): at most ``every`` steps are done again, and nothing is
-read from storage unless a part and its copy are lost together.
+node. Like the FSDP family (``sharded/peer_copies``, whose sending and receiving this
+reuses), every ``every`` steps each rank snapshots its own part by name (local tensors, how
+each is cut, and the :class:`TrainMeta` of that step) and sends a copy to its holder on
+another node (``copy_placement``: the same local rank on the next node when nodes are equal;
+on nodes of unequal sizes a small node's ranks hold several copies), in the background on a
+side group. A copy counts once it has arrived whole; the two newest of each part are kept.
+A restore then finds each lost part in its holder's copy (``copy_sources``) and moves it by
+name like a live part (``by_name.fetch_offers``): at most ``every`` steps are done again,
+and nothing is read from storage unless a part and its copy are lost together.
 
-Memory per rank: four parts' worth of host memory (two snapshots of its own part, two copies
-of its neighbour's), as under FSDP (``sharded/peer_copies``).
+Memory per rank: four parts' worth of host memory on equal nodes (two snapshots of its own
+part, two of the copy it holds), as under FSDP (``sharded/peer_copies``); two more per
+extra copy a rank holds.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class PartCopies:
             raise ConfigError(f"peer_copy_every={every} is negative",
                               "Pass 0 (no peer copies) or a number of steps >= 1.")
         self.every = every
-        self.round: PeerCopies | None = None  # this round's exchange
-        self.snapshots: list[Snapshot] = []  # completed ones, once the exchange stopped
+        self.round: PeerCopies | None = None  # this round's copies
+        self.snapshots: list[Snapshot] = []  # own and held ones, once the copies stopped
 
     def start(self, ctx: Context) -> None:
         """This round's placement, where one node's loss could take a part (collective)."""
@@ -100,23 +100,35 @@ class PartCopies:
                     own_index=opp * width + otp, peer_indices=tuple(indices))
         self.round = PeerCopies(group, ring, every=self.every)
 
-    def refresh(self, ctx: Context, committed: int, state: TrainState,
-                sampler: ElasticSampler, *, force: bool = False) -> None:
-        """Snapshot the part at ``committed`` and send it along the ring, when due (or
-        ``force``). Call it before the step changes the state.
+    def settle(self) -> None:
+        """Wait for the send in flight, before a step changes the state, so that the
+        :meth:`refresh` after it never waits.
 
         Raises:
-            RoundAbandoned: the round's notice came while the previous exchange was in flight.
+            RoundAbandoned: the round's notice came while the previous send was in flight.
+        """
+        if self.round is not None:
+            self.round.settle()
+
+    def refresh(self, ctx: Context, committed: int, state: TrainState,
+                sampler: ElasticSampler, *, force: bool = False) -> None:
+        """Snapshot the part at ``committed`` (``sampler`` as it is after that step) and send
+        it to its holder, when due (or ``force``, unless that step was sent already).
+
+        Called at the end of a step, once its optimizer has stepped: a copy then leaves as
+        soon as the rank is done, and lands while the slower stages still finish theirs. Call
+        :meth:`settle` before the step: this never waits then (a wait could fail a step
+        whose update is applied).
         """
         copies = self.round
-        if copies is None or not (force or copies.is_due(committed)):
+        if copies is None or copies.sent == committed or not (force or copies.is_due(committed)):
             return
         meta = TrainMeta.capture(step=committed, sampler=sampler, state=state)
         copies.refresh(committed, _piece(state, *piece_of(ctx.layout, ctx.rank)),
                        meta.encode())
 
     def stop(self) -> None:
-        """End this round's exchange; keep the snapshots whose exchange completed."""
+        """End this round's copies; keep the snapshots and the copies that arrived."""
         if self.round is not None:
             self.snapshots = self.round.close()
             self.round = None
@@ -126,18 +138,16 @@ class PartCopies:
         self.snapshots = []
 
     def held(self) -> list[Copy]:
-        """The parts of the completed snapshots, for the choice of sources."""
-        return [Copy(s.step, piece["cut"], piece["part"]) for s in self.snapshots
-                for piece in (s.own, *s.peers)]
+        """The parts of the snapshots and copies held, for the choice of sources."""
+        return [Copy(s.step, s.piece["cut"], s.piece["part"]) for s in self.snapshots]
 
     def offer(self, step: int, part: Part) -> tuple[Offer, dict[str, Any], bool]:
         """The snapshot of ``part`` at ``step`` to send from, its record, and whether its
         optimizer had taken no step (:func:`named_part`)."""
         for snapshot in self.snapshots:
-            for piece in (snapshot.own, *snapshot.peers):
-                if snapshot.step == step and piece["part"] == part:
-                    return (Offer(piece["described"], piece["tensors"]), snapshot.meta,
-                            piece["is_fresh"])
+            piece = snapshot.piece
+            if snapshot.step == step and piece["part"] == part:
+                return Offer(piece["described"], piece["tensors"]), snapshot.meta, piece["is_fresh"]
         raise LookupError(f"no snapshot of part {part} at step {step}")  # chosen from held()
 
     def host_bytes(self) -> int:

@@ -156,9 +156,10 @@ class RuntimeParallelTrainer:
             if last > choice.step:
                 logger.warning("restored from %s of step %d; steps %d-%d are done again",
                                source, choice.step, choice.step + 1, last)
-        self.copies.clear()  # taken again under the new cut from the next step
+        self.copies.clear()  # taken again under the new cut, from the restored state on
         self._start_pipeline(ctx)
         self.copies.start(ctx)
+        self.copies.refresh(ctx, progress.step, state, at.sampler)
         return source
 
     def _from_survivors(self, at: Restoring, old: TrainState | None, state: TrainState,
@@ -241,7 +242,7 @@ class RuntimeParallelTrainer:
         assert self.state is not None and self.modules is not None
         self._losses, self._global_len = [], global_len
         assert self.sampler is not None
-        self.copies.refresh(ctx, step - 1, self.state, self.sampler)  # before it changes
+        self.copies.settle()  # the previous copy's send, before the step changes the state
         self.state.optimizer.zero_grad(set_to_none=True)
         samples = sum(size for _, size in micro_batches)
         if not samples and ctx.layout.shard > 1:
@@ -272,6 +273,7 @@ class RuntimeParallelTrainer:
             clip_grad_norm(local_params(self.modules), self.clip_grad_norm, ctx.layout,
                            ctx.groups.world)
         self.state.optimizer.step()  # after every collective of the step: it is atomic
+        self.copies.refresh(ctx, step, self.state, self.sampler.advanced())  # never waits
         return (loss_sum / samples if samples else math.nan), loss_sum / global_len
 
     def _backward_each(self, micro_batches: list[tuple[Any, int]], layout: Layout,
@@ -315,7 +317,7 @@ class RuntimeParallelTrainer:
         leaver's part then comes from its ring holder with nothing redone. Collective; the
         copies then stop for the round. Else its parts come from replicas or the checkpoint.
         """
-        if self.state is not None and self.sampler is not None:
+        if self.state is not None and self.sampler is not None:  # unless the step sent it
             self.copies.refresh(ctx, step, self.state, self.sampler, force=True)
         self.copies.stop()
 

@@ -2,40 +2,44 @@
 
 Under FSDP (one sharded copy of the state, no replica) a lost node takes its pieces with it.
 Gemini (SOSP'23) keeps each rank's shards in a peer's host memory; here every ``every`` steps
-each rank sends its piece to its *holder*, a rank on another node (``copy_placement``: the
-same local rank on the next node when nodes are equal), and keeps a :class:`Snapshot`:
+each rank snapshots its piece and sends a copy to its *holder*, a rank on another node
+(``copy_placement``: the same local rank on the next node when nodes are equal), and keeps
+:class:`Snapshot` s of
 
-* ``peers``: the pieces of the ranks it holds for (one on equal nodes; none or several on
-  nodes of unequal sizes), and
-* ``own``: a snapshot of its own piece at the same step.
+* its own piece, and
+* the pieces of the ranks it holds copies for (one on equal nodes; none or several on nodes
+  of unequal sizes),
 
-Together they make every piece of the snapshot step available unless a node *and* the node
-holding its copies are both lost: then the caller falls back to the last committed checkpoint.
-Restoring from a snapshot redoes at most ``every`` steps; the sampler and step roll back with
-it (its runtime metadata is kept beside it).
+each with the step it is at. Together they make every piece of a step available unless a
+node *and* the node holding its copies are both lost: then the caller falls back to the last
+committed checkpoint. Restoring from a snapshot redoes at most ``every`` steps; the sampler
+and step roll back with it (its runtime metadata travels with each copy).
 
 **Beside training, not in it.** :meth:`PeerCopies.refresh` runs at the start of a step: it
 copies this rank's piece into a preallocated host buffer (one memory copy, before the step's
-optimizer can change it) and hands it to a background thread, which swaps it with the ring on
-a process group of its own while the step trains. A snapshot counts only once its exchange has
-completed on this rank (:attr:`PeerCopies.completed`); until then the previous one stays. The
-one before it also stays until the next refresh reuses its buffer: a node lost while one step's
-copies have arrived on some survivors and not yet on others then still finds the step before
-whole on every survivor. The next refresh first waits for the exchange in flight (normally
+optimizer can change it), which counts as this rank's snapshot at once, and hands it to a
+background thread that sends it to the holder on a process group of its own while the step
+trains. The holder is always ready for it: a receiving thread per rank it holds for waits
+for the next copy the whole round, so a copy lands as soon as its rank has finished its step
+and started the next, whatever its holder is doing. (Until 2026-12-06 the two swapped copies
+in one exchange that both had to start: a copy then landed only once the slower rank reached
+its next step, and a node killed in that window cost one step more.) A copy counts once it
+has arrived whole; the two newest of each piece are kept, so a node lost while one step's
+copies have arrived on some survivors and not yet on others still finds the step before
+whole on every survivor. The next refresh first waits for the send in flight (normally
 finished long before), through the round's abort notice, so a wait on a hung peer ends when
-the agents drop it, and the step has not begun. A failed exchange (a peer died) stops copies
-for the rest of the round and never fails a step by itself: the step's own collectives tell
-whether the round is broken.
-A copy group whose exchange did not end cleanly is abandoned, not destroyed
-(``process_groups.abandon_side_group``), like every group of a failed round.
+the agents drop it, and the step has not begun. A failed send (a peer died) stops copies for
+the rest of the round and never fails a step by itself: the step's own collectives tell
+whether the round is broken. :meth:`PeerCopies.close` sends each holder an end mark that
+stops its receiving thread; a copy group where anything did not end cleanly is abandoned, not
+destroyed (``process_groups.abandon_side_group``), like every group of a failed round.
 
 The runtime-parallel family sends its pipeline stages and tensor-parallel parts through the
 same :class:`PeerCopies` (``runtime_parallel/copies.py``): a piece is any nest of tensors.
 
-Memory per rank: two send buffers (own pieces: the newest completed snapshot's and the next
-one's, or the one before) and two of each copy it holds (the newest completed, and the one
-before or the one arriving): four pieces, ``4 / N`` of the state on each of N ranks, on equal
-nodes; a rank holding ``k`` copies keeps ``2 + 2k``.
+Memory per rank: two send buffers (its own newest snapshot and the one before) and two of
+each copy it holds (and a third while one arrives): four pieces, ``4 / N`` of the state on
+each of N ranks, on equal nodes; a rank holding ``k`` copies keeps ``2 + 2k``.
 """
 
 from __future__ import annotations
@@ -61,24 +65,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Snapshot:
-    """One step's own piece and the copies held, with the runtime state of that step."""
+    """One piece at one step (this rank's own, or a copy it holds), with the runtime state
+    of that step."""
 
     step: int
     count: int
-    own_index: int
-    peer_indices: tuple[int, ...]
-    own: Piece
-    peers: list[Piece]
+    index: int
+    piece: Piece
     meta: dict[str, Any]
 
-    def holdings(self) -> list[Holding]:
-        return [Holding(self.step, self.count, index)
-                for index in (self.own_index, *self.peer_indices)]
-
-    def piece(self, index: int) -> Piece:
-        if index == self.own_index:
-            return self.own
-        return self.peers[self.peer_indices.index(index)]
+    def holding(self) -> Holding:
+        return Holding(self.step, self.count, self.index)
 
 
 @dataclass(frozen=True)
@@ -92,11 +89,17 @@ class Ring:
     peer_indices: tuple[int, ...]
 
 
-class PeerCopies:
-    """One round's exchange of snapshots along the ring, run beside training.
+_KEPT = 2
+"""Snapshots kept of each piece: the newest, and the one before it for a step whose copies
+reached some survivors only."""
 
-    Used from the training thread only; the exchange itself runs on ``group`` (this object's
-    own, made by ``process_groups.side_group``) from a daemon thread it starts per refresh.
+
+class PeerCopies:
+    """One round's copies: sent beside training, received by a thread per rank held for.
+
+    Used from the training thread only; the sends run on ``group`` (this object's own, made
+    by ``process_groups.side_group``) from a daemon thread per refresh, the receives from a
+    daemon thread per source for the whole round.
     """
 
     def __init__(self, group: dist.ProcessGroup, ring: Ring, *, every: int) -> None:
@@ -104,19 +107,26 @@ class PeerCopies:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._next = 0  # the send buffer the next refresh fills (not the newest's)
         self._lock = threading.Lock()
-        self._completed: list[Snapshot] = []  # at most the two newest, oldest first
-        self._pending: Future[BaseException | None] | None = None
-        self._started = -1  # the step of the newest snapshot handed to the thread
-        self._failed = False  # an exchange failed: no more copies this round
+        self._own: list[Snapshot] = []  # at most the two newest, oldest first
+        self._held: dict[int, list[Snapshot]] = {index: [] for index in ring.peer_indices}
+        self._sending: Future[BaseException | None] | None = None
+        self._started = -1  # the step of the newest snapshot handed to the sender
+        self._failed = False  # a send failed: no more copies this round
         self._closed = False
-        self._peer_bytes = 0  # of all the copies held
+        self._receiving = [self._receive_from(source, index)
+                           for source, index in zip(ring.sources, ring.peer_indices)]
 
     @property
     def completed(self) -> list[Snapshot]:
-        """The snapshots whose exchange completed on this rank and whose buffers are intact:
-        the newest, and the one before it until the next refresh; oldest first."""
+        """This rank's snapshots and the copies that arrived whole, the two newest of each
+        piece, oldest first within a piece."""
         with self._lock:
-            return list(self._completed)
+            return [*self._own, *(s for held in self._held.values() for s in held)]
+
+    @property
+    def sent(self) -> int:
+        """The step of the newest snapshot handed to the sender (-1: none yet)."""
+        return self._started
 
     def is_due(self, committed: int) -> bool:
         """Whether the step after ``committed`` refreshes (every ``every`` steps)."""
@@ -124,17 +134,17 @@ class PeerCopies:
                 and (self._started < 0 or committed - self._started >= self._every))
 
     def refresh(self, committed: int, piece: Piece, meta: dict[str, Any]) -> None:
-        """Snapshot ``piece`` (the state of step ``committed``) and send it along the ring
-        in the background. Call it before the step changes the state.
+        """Snapshot ``piece`` (the state of step ``committed``) and send it to the holder in
+        the background. Call it before the step changes the state.
 
         Raises:
-            RoundAbandoned: the round's notice came while the previous exchange was in flight.
+            RoundAbandoned: the round's notice came while the previous send was in flight.
         """
-        self._settle()
+        self.settle()
         if self._failed or self._closed:
             return
-        with self._lock:  # the buffer about to be filled holds the older snapshot's own piece
-            self._completed = self._completed[-1:]
+        with self._lock:  # the buffer about to be filled holds the older snapshot
+            self._own = self._own[-1:]
         skeleton, tensors = split_tensors(piece)
         places = _places(skeleton)
         nbytes = places[-1][0] + places[-1][1] if places else 0
@@ -144,32 +154,37 @@ class PeerCopies:
         for (offset, size, _, _), tensor in zip(places, tensors):
             buffer[offset:offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
         self._next = 1 - self._next
-        own = join_tensors(skeleton, _views(skeleton, buffer))
-        future: Future[BaseException | None] = Future()
-        self._pending, self._started = future, committed
-        args = (committed, skeleton, buffer, own, meta, future)
-        threading.Thread(target=self._exchange, args=args, name=f"peer-copies-{committed}",
-                         daemon=True).start()
+        own = Snapshot(committed, self._ring.count, self._ring.own_index,
+                       join_tensors(skeleton, _views(skeleton, buffer)), meta)
+        with self._lock:
+            self._own = [*self._own, own]
+        header = pickle.dumps((committed, skeleton, meta))
+        self._sending, self._started = self._send(header, buffer), committed
 
     def close(self) -> list[Snapshot]:
         """Stop copying; the :attr:`completed` snapshots. Never raises.
 
-        Waits for the exchange in flight (so that a clean re-form keeps its snapshot) unless
-        the round's notice comes first; the copy group is destroyed if every exchange ended
+        Waits for the send in flight (so that a clean re-form keeps its copy), then sends
+        the holder the end mark and waits for the end marks of the ranks held for, unless
+        the round's notice comes first; the copy group is destroyed if everything ended
         cleanly, else abandoned (a send or receive may still be blocked on a hung peer).
         """
         if self._closed:
             return self.completed
         clean = not self._failed
-        if self._pending is not None:
-            try:
-                clean = abort.wait(self._pending) is None and clean
-            except abort.RoundAbandoned:
-                clean = False
-            self._pending = None
+        try:
+            if self._sending is not None:
+                clean = abort.wait(self._sending) is None and clean
+            self._sending = None
+            if clean:
+                clean = abort.wait(self._send(None, None)) is None
+            for receiving in self._receiving:
+                clean = abort.wait(receiving) is None and clean
+        except abort.RoundAbandoned:
+            clean = False
         with self._lock:
             self._closed = True
-            completed = list(self._completed)
+        completed = self.completed
         if clean:
             destroy_side_group(self._group)
         else:
@@ -177,75 +192,118 @@ class PeerCopies:
         return completed
 
     def host_bytes(self) -> int:
-        """The host memory the copies take, once two exchanges have completed."""
-        return sum(b.numel() for b in self._buffers if b is not None) + 2 * self._peer_bytes
+        """The host memory the snapshots and copies take now."""
+        with self._lock:
+            held = sum(_payload_bytes(s.piece) for kept in self._held.values() for s in kept)
+        return sum(b.numel() for b in self._buffers if b is not None) + held
 
-    def _settle(self) -> None:
-        """Wait for the exchange in flight; a failed one stops copies for the round."""
-        pending = self._pending
-        if pending is None:
+    def settle(self) -> None:
+        """Wait for the send in flight; a failed one stops copies for the round.
+
+        Raises:
+            RoundAbandoned: the round's notice came first.
+        """
+        sending = self._sending
+        if sending is None:
             return
-        error = abort.wait(pending)  # RoundAbandoned goes up: the step has not begun
-        self._pending = None
+        error = abort.wait(sending)  # RoundAbandoned goes up: the step has not begun
+        self._sending = None
         if error is not None:
             self._failed = True
             logger.warning("peer copy of step %d failed (%s); no more peer copies this round",
                            self._started, str(error).splitlines()[0] if str(error) else
                            type(error).__name__)
 
-    def _exchange(self, step: int, skeleton: Any, payload: torch.Tensor, own: Piece,
-                  meta: dict[str, Any], future: Future[BaseException | None]) -> None:
-        """The background thread: swap with the ring, then publish the snapshot."""
-        ring = self._ring
-        try:
-            peers, self._peer_bytes = exchange(skeleton, payload, to=ring.to,
-                                               sources=ring.sources, group=self._group)
-        except BaseException as exc:  # reported to the training thread by the future
-            future.set_result(exc)
-            return
-        snapshot = Snapshot(step=step, count=ring.count, own_index=ring.own_index,
-                            peer_indices=ring.peer_indices, own=own, peers=peers, meta=meta)
-        with self._lock:
-            if not self._closed:  # a late completion after close() is not used
-                self._completed = [*self._completed[-1:], snapshot]
-        future.set_result(None)
+    def _send(self, header: bytes | None,
+              payload: torch.Tensor | None) -> Future[BaseException | None]:
+        """Send a packed piece (or, with None, the end mark) to the holder, in a thread."""
+        future: Future[BaseException | None] = Future()
+
+        def run() -> None:
+            try:
+                send_piece(header, payload, to=self._ring.to, group=self._group)
+            except BaseException as exc:  # reported to the training thread by the future
+                future.set_result(exc)
+                return
+            future.set_result(None)
+
+        threading.Thread(target=run, name="peer-copies-send", daemon=True).start()
+        return future
+
+    def _receive_from(self, source: int, index: int) -> Future[BaseException | None]:
+        """Receive ``source``'s copies until its end mark, in a thread, keeping the newest."""
+        future: Future[BaseException | None] = Future()
+
+        def run() -> None:
+            try:
+                while (received := receive_piece(source, group=self._group)) is not None:
+                    step, piece, meta = received
+                    with self._lock:
+                        if self._closed:  # a late arrival after close() is not used
+                            break
+                        kept = self._held[index]
+                        kept[:] = [*kept[-(_KEPT - 1):],
+                                   Snapshot(step, self._ring.count, index, piece, meta)]
+            except BaseException as exc:  # a source gone: the copies so far stay
+                future.set_result(exc)
+                return
+            future.set_result(None)
+
+        threading.Thread(target=run, name=f"peer-copies-from-{source}", daemon=True).start()
+        return future
 
 
-def exchange(skeleton: Any, payload: torch.Tensor, *, to: int, sources: tuple[int, ...],
-             group: dist.ProcessGroup) -> tuple[list[Piece], int]:
-    """Send a packed piece to rank ``to`` and receive the pieces of ``sources`` (and their
-    size in bytes). Collective along the placement; blocking (gloo's point-to-point work has
-    no future).
-
-    Structure and sizes travel first (a small pickled header, between our own processes), then
-    the tensors as the one byte buffer ``payload`` that :meth:`PeerCopies.refresh` packed.
+def send_piece(header: bytes | None, payload: torch.Tensor | None, *, to: int,
+               group: dist.ProcessGroup) -> None:
+    """Send a packed piece to rank ``to``: sizes, a small pickled header (step, structure,
+    runtime state; between our own processes), then the tensors as the one byte buffer
+    :meth:`PeerCopies.refresh` packed. With None, the end mark (sizes of -1). Blocking.
 
     Raises:
-        RuntimeError: a peer is gone, or the group's timeout passed.
+        RuntimeError: the peer is gone, or the group's timeout passed.
     """
-    header = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
-    sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64)
-    their_sizes = [torch.empty(2, dtype=torch.int64) for _ in sources]
-    _send_and_receive(sizes, their_sizes, to, sources, group)
-    their_headers = [torch.empty(int(size[0]), dtype=torch.uint8) for size in their_sizes]
-    their_payloads = [torch.empty(int(size[1]), dtype=torch.uint8) for size in their_sizes]
-    _send_and_receive(header, their_headers, to, sources, group)
-    _send_and_receive(payload, their_payloads, to, sources, group)
-    pieces = []
-    for their_header, their_payload in zip(their_headers, their_payloads):
-        their_skeleton = pickle.loads(their_header.numpy().tobytes())
-        pieces.append(join_tensors(their_skeleton, _views(their_skeleton, their_payload)))
-    return pieces, sum(p.numel() for p in their_payloads)
+    if header is None or payload is None:
+        _point_to_point(torch.tensor([-1, -1], dtype=torch.int64), to=to, group=group)
+        return
+    head = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    _point_to_point(torch.tensor([head.numel(), payload.numel()], dtype=torch.int64), to=to,
+                    group=group)
+    _point_to_point(head, to=to, group=group)
+    _point_to_point(payload, to=to, group=group)
 
 
-def _send_and_receive(mine: torch.Tensor, theirs: list[torch.Tensor], to: int,
-                      sources: tuple[int, ...], group: dist.ProcessGroup) -> None:
-    works = [dist.isend(mine, group=group, group_dst=to)]
-    works += [dist.irecv(buffer, group=group, group_src=source)
-              for buffer, source in zip(theirs, sources)]
-    for work in works:
-        assert work is not None
-        work.wait()
+def receive_piece(source: int, *,
+                  group: dist.ProcessGroup) -> tuple[int, Piece, dict[str, Any]] | None:
+    """The next piece ``source`` sends (its step, the piece as views into one buffer, its
+    runtime state), or None at its end mark. Blocking.
+
+    Raises:
+        RuntimeError: the peer is gone, or the group's timeout passed.
+    """
+    sizes = torch.empty(2, dtype=torch.int64)
+    _point_to_point(sizes, source=source, group=group)
+    if int(sizes[0]) < 0:
+        return None
+    head = torch.empty(int(sizes[0]), dtype=torch.uint8)
+    payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    _point_to_point(head, source=source, group=group)
+    _point_to_point(payload, source=source, group=group)
+    step, skeleton, meta = pickle.loads(head.numpy().tobytes())
+    return step, join_tensors(skeleton, _views(skeleton, payload)), meta
+
+
+def _point_to_point(tensor: torch.Tensor, *, group: dist.ProcessGroup, to: int | None = None,
+                    source: int | None = None) -> None:
+    work = (dist.isend(tensor, group=group, group_dst=to) if to is not None
+            else dist.irecv(tensor, group=group, group_src=source))
+    assert work is not None
+    work.wait()
+
+
+def _payload_bytes(piece: Piece) -> int:
+    """The bytes of a piece's tensors (views into one packed buffer)."""
+    _, tensors = split_tensors(piece)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 _ALIGN = 16

@@ -9,7 +9,7 @@ mesh, and the state comes, in this order of preference, from
 1. the pieces the ranks hold (their own shards, a surviving HSDP replica's): 0 steps lost;
 2. under FSDP, the snapshots ranks keep of their own pieces and of the pieces they hold
    copies of for ranks on other nodes (``peer_copies``, placed by ``copy_placement``,
-   exchanged beside training; only snapshots whose exchange completed count): at most
+   sent beside training; a copy counts once it has arrived whole): at most
    ``copy_every`` steps done again;
 3. the newest committed checkpoint, resharded (steps after it are done again);
 4. the initial state (rank 0's model, on a fresh start only).
@@ -80,7 +80,7 @@ class ShardedTrainer(TrainStateTrainer):
         self.stepper: ReplicatedStep | None = None
         self.held: tuple[Layout, int] | None = None  # (layout, rank) the state is cut by
         self.snapshots: list[Snapshot] = []  # the completed ones, once copies stop
-        self.copies: PeerCopies | None = None  # this round's exchange, under FSDP
+        self.copies: PeerCopies | None = None  # this round's copies, under FSDP
         self.sampler: ElasticSampler | None = None
 
     def restore(self, at: Restoring) -> Restored:
@@ -88,7 +88,7 @@ class ShardedTrainer(TrainStateTrainer):
         kept = (self.state, self.stepper, self.held, self.snapshots, at.progress.step,
                 at.progress.is_dirty, at.sampler.state_dict())
         try:
-            return Restored(self._restore(at))
+            source = self._restore(at)
         except BaseException:
             # A peer died during the restore: keep what this rank held, so that the next
             # round can still restore from it (a fresh build holds nothing).
@@ -99,6 +99,8 @@ class ShardedTrainer(TrainStateTrainer):
              at.progress.is_dirty, sampler) = kept
             at.sampler.load_state_dict(sampler)
             raise
+        self._refresh_snapshot(at.progress.step, at.sampler)  # the restored state's copy
+        return Restored(source)
 
     def _restore(self, at: Restoring) -> str:
         ctx, progress = at.ctx, at.progress
@@ -106,7 +108,7 @@ class ShardedTrainer(TrainStateTrainer):
         self.sampler = at.sampler
         lives, copies, last = gather_holdings(
             self._holdings(progress.step, progress.is_dirty),
-            [h for snapshot in snapshots for h in snapshot.holdings()], progress.step,
+            [snapshot.holding() for snapshot in snapshots], progress.step,
             ctx.groups.world)
         sources = pick_piece_sources(lives)
         source = "replicas"
@@ -126,8 +128,9 @@ class ShardedTrainer(TrainStateTrainer):
                     put_shards_back(old.model)  # the step that failed may be mid-forward
                     return {"piece": local_piece(old),
                             "meta": at.meta(old, old_stepper, step=live_step).encode()}
-                snapshot = next(s for s in snapshots if s.step == sources.step)
-                return {"piece": snapshot.piece(index), "meta": snapshot.meta}
+                snapshot = next(s for s in snapshots
+                                if s.step == sources.step and s.index == index)
+                return {"piece": snapshot.piece, "meta": snapshot.meta}
             self._shard(ctx)
             initialize_optimizer_state(self.state.optimizer)
             layout = ctx.layout
@@ -143,26 +146,33 @@ class ShardedTrainer(TrainStateTrainer):
             return source
         return self._from_checkpoint_or_init(at, last)
 
-    def _refresh_snapshot(self, committed: int) -> None:
-        """Every ``copy_every`` steps under FSDP: snapshot this rank's piece and send a copy
-        along the ring in the background (at the start of a step, before it changes the
-        state; a wait here on the previous exchange changes no state either)."""
+    def _refresh_snapshot(self, committed: int, sampler: ElasticSampler) -> None:
+        """Every ``copy_every`` steps under FSDP: snapshot this rank's piece as step
+        ``committed`` left it (``sampler`` as it is after that step) and send a copy to its
+        holder in the background.
+
+        Called as a step ends, once its update is applied: the copy leaves as soon as this
+        rank is done and lands while slower ranks finish (a node killed between its last
+        collective and the next step then costs no step). :meth:`train` settles the previous
+        send before the step, so this never waits: a wait that failed here would fail a step
+        whose update is applied."""
         copies = self.copies
-        if copies is None or not copies.is_due(committed):
+        if copies is None or copies.sent == committed or not copies.is_due(committed):
             return
-        assert self.state is not None and self.stepper is not None and self.sampler is not None
-        meta = TrainMeta.capture(step=committed, sampler=self.sampler, state=self.state,
+        assert self.state is not None and self.stepper is not None
+        meta = TrainMeta.capture(step=committed, sampler=sampler, state=self.state,
                                  stepper=self.stepper)
         copies.refresh(committed, local_piece(self.state), meta.encode())
 
     def hand_over(self, ctx: Context, step: int) -> None:
-        """Under FSDP: copies of every piece as of the step just committed, on the ring.
+        """Under FSDP: copies of every piece as of the step just committed, on their holders.
 
-        The leaver's piece then lives on its ring holder at that very step, and the
-        members restore it from there with nothing redone (a copy made every step is one
-        step old at the boundary, one made every k steps up to k). Collective: every rank
-        refreshes and waits for its exchange; the copies then stop for the round. Without
-        copies (``peer_copy_every=0``) the leaver's piece comes from the checkpoint.
+        The leaver's piece then lives on its holder at that very step, and the
+        members restore it from there with nothing redone (a copy made every k steps may
+        be up to k - 1 old at the boundary; every step, the step sent it already).
+        Collective: every rank refreshes, and closing waits for every copy to arrive; the
+        copies then stop for the round. Without copies (``peer_copy_every=0``) the leaver's
+        piece comes from the checkpoint.
         """
         copies = self.copies
         if copies is None:
@@ -171,9 +181,10 @@ class ShardedTrainer(TrainStateTrainer):
                                "(peer_copy_every=0): its shards come from the checkpoint")
             return
         assert self.state is not None and self.stepper is not None and self.sampler is not None
-        meta = TrainMeta.capture(step=step, sampler=self.sampler, state=self.state,
-                                 stepper=self.stepper)
-        copies.refresh(step, local_piece(self.state), meta.encode())
+        if copies.sent != step:
+            meta = TrainMeta.capture(step=step, sampler=self.sampler, state=self.state,
+                                     stepper=self.stepper)
+            copies.refresh(step, local_piece(self.state), meta.encode())
         self._stop_copies()
 
     def _start_copies(self, ctx: Context) -> None:
@@ -194,7 +205,7 @@ class ShardedTrainer(TrainStateTrainer):
         self.copies = PeerCopies(group, ring, every=self.copy_every)
 
     def _stop_copies(self) -> None:
-        """End this round's copies; keep the snapshots whose exchange completed."""
+        """End this round's copies; keep the snapshots and the copies that arrived."""
         if self.copies is not None:
             self.snapshots = self.copies.close()
             self.copies = None
@@ -248,8 +259,11 @@ class ShardedTrainer(TrainStateTrainer):
                 "Use a global batch of at least the largest data-parallel size, and "
                 "drop_last-sized epochs.",
             )
-        self._refresh_snapshot(step - 1)
+        if self.copies is not None:
+            self.copies.settle()  # the previous copy's send, before the step changes the state
         loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step)
+        assert self.sampler is not None
+        self._refresh_snapshot(step, self.sampler.advanced())  # never waits (settled above)
         return loss.local_mean, loss.contribution
 
     def release(self) -> None:
