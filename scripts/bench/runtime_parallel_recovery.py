@@ -22,14 +22,21 @@ Run:  python scripts/bench/runtime_parallel_recovery.py                 # both c
       python scripts/bench/runtime_parallel_recovery.py --cases pp2xdp2 --repeats 5
 
 Measured 2026-12-06 on this 2-core machine, nothing else running, the example at its
-default size (3.2M parameters, AdamW: 38 MB of state), 3 trials each: ``pp2xdp2`` -> ``pp3``
-kill -> next step 0.47-0.52 s, +0.30-0.33 s beyond a step of ``pp3``, 0 steps redone
-(restore from the survivors 88-123 ms); ``pp3-copies`` -> ``pp2`` 0.75-0.87 s, +0.56-0.67 s
-beyond a step, 1 step redone (restore from peer copies 124-393 ms). Survivors' worker RSS
-540-547 MB (torch itself ~350 MB; the copies are four parts' state, ~51 MB for pp3,
-computed). One earlier trial of ``pp2xdp2``, started right after another benchmark, ended
-with node ``a`` exiting 1; its logs were lost with its temporary folder (``--workdir``
-keeps them now) and 12 trials since have not shown it again.
+default size (3.2M parameters, AdamW: 38 MB of state), after copies began to leave at the
+end of each rank's step (``sharded/peer_copies``): ``pp2xdp2`` -> ``pp3`` (4 trials) kill ->
+next step 0.42-0.62 s, +0.24-0.43 s beyond a step of ``pp3``, 0 steps redone (restore from
+the survivors 85-147 ms; survivors' worker RSS 651-665 MB: on nodes of 3 + 1 workers stage
+0 has no replica off node ``a``, so copies are kept, the lone rank holding three);
+``pp3-copies`` -> ``pp2`` (9 trials) +0.30-0.80 s beyond a step, 0 steps redone in 6, 1 in
+3 (restore from peer copies 141-589 ms; RSS 514-578 MB). A step is redone when the kill
+lands after the victim's last collective of a step and before its copy of that step has
+left: the bench kills right after the survivors report a step, which is where that window
+is (with a 1.2-1.5 s ``pp3`` step on these loaded cores, about 0.1-0.2 s: the optimizer step,
+the snapshot by name and the send). Before copies left at the end of a step (they were
+swapped at the start of the next, once both ranks got there), 3 of 3 trials redid one
+step. One earlier trial of ``pp2xdp2``, started right after another benchmark, ended with
+node ``a`` exiting 1; its logs were lost with its temporary folder (``--workdir`` keeps them
+now) and the trials since have not shown it again.
 """
 
 from __future__ import annotations
