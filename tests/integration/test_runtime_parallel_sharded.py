@@ -47,19 +47,6 @@ def test_hsdp_with_tp_and_pp_trains_and_moves_by_name_on_8_ranks() -> None:
     assert results[0]["sources"] == ["init", "survivors"]
 
 
-def test_a_checkpoint_of_a_sharded_cut_loads_into_an_unsharded_one_after_a_loss(
-        tmp_path: Any) -> None:
-    # fsdp2xtp2 -> pp3: rank 3 is lost with the second round; its piece has no other
-    # holder, so the checkpoint (DCP, _StridedShard placements included) is loaded by
-    # name (peer copies off: with them the piece would come from its copy instead).
-    # test_runtime_parallel_reshard loads checkpoints along a chain of 12 layouts.
-    rounds = [({"dp": 2, "tp": 2, "shard": 2}, 3), ({"dp": 1, "pp": 3}, 2)]
-    results = run_workers(_rounds, 4, args=(rounds, {}, None, f"file://{tmp_path}/ckpt", 0),
-                          timeout_s=120)
-    _check(results, 5)
-    assert [r["sources"][1].split()[0] for r in results[:3]] == ["checkpoint"] * 3
-
-
 @pytest.mark.parametrize("layout", [
     {"dp": 2, "tp": 2, "shard": 2}, {"dp": 2, "pp": 2, "shard": 2},
 ], ids=["fsdp2xtp2", "pp2xfsdp2"])
