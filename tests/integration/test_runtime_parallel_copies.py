@@ -3,8 +3,9 @@ processes: no checkpoint, at most ``peer_copy_every`` steps done again, the same
 as one process. (FSDP pieces of pp and tp layouts: test_runtime_parallel_reshard.)
 
 pp2 over two "nodes" (one rank each) trains with copies of each stage on the other rank.
-Then rank 1 is lost: SIGKILLed between steps once its copies are out (rank 0's next step
-raises), or handing over at a boundary as a preempted node does. A third process takes its
+Then rank 1 is lost: SIGKILLed between steps once its newest copy is out (rank 0's next
+step raises; with copies every step nothing is done again, every two steps one step), or
+handing over at a boundary as a preempted node does. A third process takes its
 place as rank 1 of the next pp2 round, holding nothing; stage 1 must come from rank 0's copy
 of it, and the run must end where one process ends (``described_model.reference_params``).
 """
@@ -22,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import default_collate
 
 from elastic_rt.harness import described_model as dm
-from elastic_rt.harness import wait_until
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 pytestmark = pytest.mark.slow
@@ -92,11 +92,10 @@ def _lose_stage_1(env: WorkerEnv, every: int, before: int, total: int,
             run.step(ctx)
         if how == "hand_over":
             run.trainer.hand_over(ctx, run.progress.step)
-        elif env.rank == 1:  # killed once its copy of the last snapshot is out
+        elif env.rank == 1:  # killed once its newest copy is out
             copies = run.trainer.copies.round
             assert copies is not None
-            wait_until(lambda: copies.completed and copies.completed[-1].step == before - 1
-                       - (before - 1) % every, 30, "the last copy")
+            copies.settle()  # its last send has landed on rank 0
             env.store.set("rank1-killed", "1")
             os.kill(os.getpid(), signal.SIGKILL)
         else:
@@ -122,8 +121,8 @@ def _lose_stage_1(env: WorkerEnv, every: int, before: int, total: int,
 
 
 @pytest.mark.parametrize("every, before, how, restored", [
-    (1, 3, "kill", 2),       # the copy of step 2 went out at the start of step 3
-    (2, 4, "kill", 2),       # copies of steps 0 and 2: two steps done again
+    (1, 3, "kill", 3),       # the copy of step 3 went out as rank 1 finished it
+    (2, 3, "kill", 2),       # copies of steps 0 and 2: step 3 done again
     (2, 3, "hand_over", 3),  # copies refreshed at the boundary: nothing done again
 ], ids=["kill-every-1", "kill-every-2", "hand-over"])
 def test_a_lost_stage_comes_back_from_its_peer_copy_with_no_checkpoint(
