@@ -15,24 +15,25 @@ node *and* the node holding its copies are both lost: then the caller falls back
 committed checkpoint. Restoring from a snapshot redoes at most ``every`` steps; the sampler
 and step roll back with it (its runtime metadata travels with each copy).
 
-**Beside training, not in it.** :meth:`PeerCopies.refresh` runs at the start of a step: it
-copies this rank's piece into a preallocated host buffer (one memory copy, before the step's
-optimizer can change it), which counts as this rank's snapshot at once, and hands it to a
-background thread that sends it to the holder on a process group of its own while the step
-trains. The holder is always ready for it: a receiving thread per rank it holds for waits
-for the next copy the whole round, so a copy lands as soon as its rank has finished its step
-and started the next, whatever its holder is doing. (Until 2026-12-06 the two swapped copies
-in one exchange that both had to start: a copy then landed only once the slower rank reached
-its next step, and a node killed in that window cost one step more.) A copy counts once it
-has arrived whole; the two newest of each piece are kept, so a node lost while one step's
-copies have arrived on some survivors and not yet on others still finds the step before
-whole on every survivor. The next refresh first waits for the send in flight (normally
-finished long before), through the round's abort notice, so a wait on a hung peer ends when
-the agents drop it, and the step has not begun. A failed send (a peer died) stops copies for
-the rest of the round and never fails a step by itself: the step's own collectives tell
-whether the round is broken. :meth:`PeerCopies.close` sends each holder an end mark that
-stops its receiving thread; a copy group where anything did not end cleanly is abandoned, not
-destroyed (``process_groups.abandon_side_group``), like every group of a failed round.
+**Beside training, not in it.** :meth:`PeerCopies.refresh` runs as a step ends (after its optimizer
+step, and once after a restore): it copies this rank's piece into a preallocated host buffer (one
+memory copy, before the next step's optimizer can change it), which counts as this rank's snapshot
+at once, and hands it to a background thread that sends it to the holder on a process group of its
+own while the next step trains. The holder is always ready for it: a receiving thread per rank it
+holds for waits for the next copy the whole round, so a copy lands as soon as its rank has finished
+its step, whatever its holder is doing. (Until 2026-12-06 two ranks swapped copies at the start of
+their next steps in one exchange that both had to start: a copy then landed only once the slower
+rank got there, and a node killed in that window cost one step more.) A copy counts once it has
+arrived whole; the two newest of each piece are kept, so a node lost while one step's copies have
+arrived on some survivors and not yet on others still finds the step before whole on every survivor.
+Before a step changes the state the trainer waits for the send in flight (:meth:`PeerCopies.settle`;
+normally finished long before), through the round's abort notice, so a wait on a hung peer ends when
+the agents drop it, and the step has not begun; the refresh at its end then never waits. A failed
+send (a peer died) stops copies for the rest of the round and never fails a step by itself: the
+step's own collectives tell whether the round is broken. :meth:`PeerCopies.close` sends each holder
+an end mark that stops its receiving thread; a copy group where anything did not end cleanly is
+abandoned, not destroyed (``process_groups.abandon_side_group``), like every group of a failed
+round.
 
 The runtime-parallel family sends its pipeline stages and tensor-parallel parts through the
 same :class:`PeerCopies` (``runtime_parallel/copies.py``): a piece is any nest of tensors.
@@ -135,7 +136,7 @@ class PeerCopies:
 
     def refresh(self, committed: int, piece: Piece, meta: dict[str, Any]) -> None:
         """Snapshot ``piece`` (the state of step ``committed``) and send it to the holder in
-        the background. Call it before the step changes the state.
+        the background. Call it between steps, after :meth:`settle` (then it never waits).
 
         Raises:
             RoundAbandoned: the round's notice came while the previous send was in flight.
