@@ -121,7 +121,7 @@ class PartCopies:
         whose update is applied).
         """
         copies = self.round
-        if copies is None or copies.sent == committed or not (force or copies.is_due(committed)):
+        if copies is None or not (force or copies.is_due(committed)):
             return
         meta = TrainMeta.capture(step=committed, sampler=sampler, state=state)
         copies.refresh(committed, _piece(state, *piece_of(ctx.layout, ctx.rank)),

@@ -124,11 +124,6 @@ class PeerCopies:
         with self._lock:
             return [*self._own, *(s for held in self._held.values() for s in held)]
 
-    @property
-    def sent(self) -> int:
-        """The step of the newest snapshot handed to the sender (-1: none yet)."""
-        return self._started
-
     def is_due(self, committed: int) -> bool:
         """Whether the step after ``committed`` refreshes (every ``every`` steps)."""
         return (not self._failed and not self._closed and committed >= 0
@@ -136,13 +131,14 @@ class PeerCopies:
 
     def refresh(self, committed: int, piece: Piece, meta: dict[str, Any]) -> None:
         """Snapshot ``piece`` (the state of step ``committed``) and send it to the holder in
-        the background. Call it between steps, after :meth:`settle` (then it never waits).
+        the background, unless that step was sent already. Call it between steps, after
+        :meth:`settle` (then it never waits).
 
         Raises:
             RoundAbandoned: the round's notice came while the previous send was in flight.
         """
         self.settle()
-        if self._failed or self._closed:
+        if self._failed or self._closed or committed == self._started:  # that step went
             return
         with self._lock:  # the buffer about to be filled holds the older snapshot
             self._own = self._own[-1:]

@@ -157,7 +157,7 @@ class ShardedTrainer(TrainStateTrainer):
         send before the step, so this never waits: a wait that failed here would fail a step
         whose update is applied."""
         copies = self.copies
-        if copies is None or copies.sent == committed or not copies.is_due(committed):
+        if copies is None or not copies.is_due(committed):
             return
         assert self.state is not None and self.stepper is not None
         meta = TrainMeta.capture(step=committed, sampler=sampler, state=self.state,
@@ -181,10 +181,9 @@ class ShardedTrainer(TrainStateTrainer):
                                "(peer_copy_every=0): its shards come from the checkpoint")
             return
         assert self.state is not None and self.stepper is not None and self.sampler is not None
-        if copies.sent != step:
-            meta = TrainMeta.capture(step=step, sampler=self.sampler, state=self.state,
-                                     stepper=self.stepper)
-            copies.refresh(step, local_piece(self.state), meta.encode())
+        meta = TrainMeta.capture(step=step, sampler=self.sampler, state=self.state,
+                                 stepper=self.stepper)
+        copies.refresh(step, local_piece(self.state), meta.encode())  # unless sent already
         self._stop_copies()
 
     def _start_copies(self, ctx: Context) -> None:
