@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from elastic_rt.errors import ElasticError
-from elastic_rt.worker.trainers.sharded.row_fetch import chunk_rows, exchange_bytes, pack
+from elastic_rt.worker.trainers.sharded.row_fetch import chunk_rows
+from elastic_rt.worker.trainers.slice_exchange import exchange_slices
 
 Box = tuple[tuple[int, int], ...]
 """``[start, stop)`` along every dimension of the whole tensor."""
@@ -62,10 +63,6 @@ def overlap(a: Box, b: Box) -> Box | None:
     """The intersection of two boxes; None when it is empty."""
     both = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return None if any(lo >= hi for lo, hi in both) else both
-
-
-def _nbytes(box: Box, dtype: torch.dtype) -> int:
-    return math.prod(hi - lo for lo, hi in box) * dtype.itemsize
 
 
 def flatten(state: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -220,17 +217,21 @@ def fetch_offers(offers: list[Offer], targets: dict[str, Any],
     for key in [k for k, v in targets.items() if not isinstance(v, torch.Tensor)]:
         targets[key] = _value_of(key, sources)
     with torch.no_grad():
-        send = [pack([_offered(offers[slot], key, box) for (key, _, box), slot in
-                      moves(dest, rank)]) for dest in range(world)]
-        sizes = [sum(_nbytes(box, piece.dtype) for (_, piece, box), _ in moves(rank, src))
-                 for src in range(world)]
-        for src, chunk in enumerate(exchange_bytes(send, sizes, group)):
-            offset = 0
-            for (key, piece, box), _ in moves(rank, src):
-                size = _nbytes(box, piece.dtype)
-                data = chunk[offset:offset + size].clone().view(piece.dtype)
-                _region(targets[key], box).copy_(data.reshape(_extent(box)))
-                offset += size
+        converted = []  # places whose dtype differs from the sender's: filled, then cast
+
+        def place(key: str, piece: Entry, box: Box) -> torch.Tensor:
+            region = _region(targets[key], box)
+            if region.dtype == piece.dtype:
+                return region
+            staged = torch.empty(region.shape, dtype=piece.dtype)
+            converted.append((region, staged))
+            return staged
+        exchange_slices([[_offered(offers[slot], key, box) for (key, _, box), slot in
+                          moves(dest, rank)] for dest in range(world)],
+                        [[place(*move) for move, _ in moves(rank, src)] for src in range(world)],
+                        group)
+        for region, staged in converted:
+            region.copy_(staged)
 
 
 def _offered(offer: Offer, key: str, box: Box) -> torch.Tensor:
@@ -246,10 +247,6 @@ def _region(value: torch.Tensor, box: Box) -> torch.Tensor:
 def _within(local: torch.Tensor, held: Box, box: Box) -> torch.Tensor:
     """The view of ``local``, which holds the part ``held`` of the whole, that holds ``box``."""
     return local[tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(box, held))]
-
-
-def _extent(box: Box) -> tuple[int, ...]:
-    return tuple(hi - lo for lo, hi in box)
 
 
 def _value_of(key: str, sources: dict[int, dict[str, Any]]) -> Any:

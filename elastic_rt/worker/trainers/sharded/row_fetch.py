@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from elastic_rt.errors import ElasticError
-from elastic_rt.worker import abort
 from elastic_rt.worker.trainers.sharded.fsdp import Piece, RowSpec
 from elastic_rt.worker.trainers.replica_broadcast import broadcast_state
+from elastic_rt.worker.trainers.slice_exchange import exchange_slices
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +122,8 @@ def fetch_rows(sources: Sources, read: Callable[[int], dict[str, Any]], group: d
     full shape and dtype, the same on every rank: :func:`fsdp.row_targets`) with this rank's
     local tensor of it, so every rank computes the same transfer plan without exchanging
     one. What is whole (buffers, step counts, hyperparameters, metadata) comes by one
-    broadcast from piece 0's source; the rows by one all-to-all in which each rank receives
-    only the rows it lacks, straight into its own tensors after that.
+    broadcast from piece 0's source; the rows by :func:`slice_exchange.exchange_slices`,
+    each rank receiving only the rows it lacks, into its own tensors.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     held = {index: read(index) for index, src in enumerate(sources.ranks) if src == rank}
@@ -156,54 +156,12 @@ def fetch_rows(sources: Sources, read: Callable[[int], dict[str, Any]], group: d
     with torch.no_grad():
         for entry in plan.get((rank, rank), []):  # rows this rank holds already
             mine(*entry).copy_(held_rows(*entry))
-        send = [pack([held_rows(*entry) for entry in plan.get((dest, rank), [])])
-                if dest != rank else pack([]) for dest in range(world)]
-        sizes = [sum(spec.row_bytes * (hi - lo) for spec, _, lo, hi in plan.get((rank, src), []))
-                 if src != rank else 0 for src in range(world)]
-        for src, chunk in enumerate(exchange_bytes(send, sizes, group)):
-            offset = 0
-            for entry in plan.get((rank, src), []) if src != rank else []:
-                rows = mine(*entry)
-                size = rows.numel() * rows.element_size()
-                _write_bytes(rows, chunk[offset:offset + size])
-                offset += size
+        exchange_slices(
+            [[held_rows(*entry) for entry in plan.get((dest, rank), [])] if dest != rank else []
+             for dest in range(world)],
+            [[mine(*entry) for entry in plan.get((rank, src), [])] if src != rank else []
+             for src in range(world)], group)
     return dict(whole["whole"]), whole["meta"]
-
-
-def _write_bytes(rows: torch.Tensor, data: torch.Tensor) -> None:
-    """Copy raw bytes into ``rows`` (a byte view of a typed tensor is always aligned; a typed
-    view of the received bytes might not be)."""
-    if rows.is_contiguous():
-        rows.view(-1).view(torch.uint8).copy_(data)
-    else:
-        staged = torch.empty(rows.shape, dtype=rows.dtype)
-        staged.view(-1).view(torch.uint8).copy_(data)
-        rows.copy_(staged)
-
-
-def pack(slices: list[torch.Tensor]) -> torch.Tensor:
-    """The slices' bytes, one after another (what one rank sends another in an exchange)."""
-    if not slices:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.cat([s.detach().contiguous().reshape(-1).view(torch.uint8) for s in slices])
-
-
-def exchange_bytes(send: list[torch.Tensor], sizes: list[int],
-                   group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """One all-to-all of bytes: ``send[r]`` goes to rank ``r``; what each rank ``r`` sent
-    here (``sizes[r]`` bytes), in rank order. Waits through the round's abort notice.
-
-    Raises:
-        RoundAbandoned: a newer round dropped a member while this waited.
-        RuntimeError: a peer's connection failed.
-    """
-    received = torch.empty(sum(sizes), dtype=torch.uint8)
-    work = dist.all_to_all_single(received, torch.cat(send), output_split_sizes=sizes,
-                                  input_split_sizes=[part.numel() for part in send],
-                                  group=group, async_op=True)
-    assert work is not None  # async_op=True always returns a Work
-    abort.wait(work.get_future())
-    return list(torch.split(received, sizes))
 
 
 def _check_piece(piece: Piece, index: int, sources: Sources, rows: list[RowSpec]) -> None:

@@ -47,8 +47,10 @@ from elastic_rt.worker.trainers.runtime_step import (
 )
 from elastic_rt.worker.trainers.sharded.fsdp import (
     ShardedGradients,
+    build_unfilled,
     load_whole,
     local_piece,
+    materialize,
     put_shards_back,
     row_targets,
     shard_train_state,
@@ -116,7 +118,8 @@ class ShardedTrainer(TrainStateTrainer):
             sources = pick_piece_sources([a + b for a, b in zip(lives, copies)])
             source = "peer copies"
         progress.is_dirty = True  # until the new state holds the state of `step`
-        self.state, self.stepper, self.held = self._build(ctx), None, (ctx.layout, ctx.rank)
+        self.state, self.stepper, self.held = (self._build(ctx, unfilled=sources is not None),
+                                               None, (ctx.layout, ctx.rank))
         self.snapshots = []  # taken again under the new layout from the next step
         if sources is not None:
             live_step = progress.step
@@ -215,8 +218,13 @@ class ShardedTrainer(TrainStateTrainer):
         layout, rank = self.held
         return [Holding(step, layout.shard, layout.shard_index(rank))]
 
-    def _build(self, ctx: Context) -> TrainState:
-        state = self.build(ctx.layout)
+    def _build(self, ctx: Context, *, unfilled: bool = False) -> TrainState:
+        """The round's fresh state; ``unfilled`` when the pieces will overwrite every value
+        (:func:`fsdp.build_unfilled`: on the meta device where the build allows it, given
+        memory once sharded)."""
+        state = build_unfilled(lambda: self.build(ctx.layout)) if unfilled else None
+        if state is None:
+            state = self.build(ctx.layout)
         if not isinstance(state, TrainState):
             raise ConfigError(f"build() returned {type(state).__name__}",
                               "Return elastic_rt.TrainState(model=..., optimizer=...).")
@@ -233,6 +241,7 @@ class ShardedTrainer(TrainStateTrainer):
                               param_dtype=options.autocast_dtype)
             reducer = ShardedGradients(self.state.model, accumulates=options.accumulates)
             options = dataclasses.replace(options, autocast_dtype=None)
+        materialize(self.state)  # after sharding (this rank's shards only), if built unfilled
         self.stepper = ReplicatedStep(self.state, self.step_fn, options)
         self.stepper.bind(ctx.groups.dp, reducer)
         self._start_copies(ctx)
