@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from elastic_rt.worker.train_state import TrainState
+from elastic_rt.worker.trainers.runtime_step import initialize_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -186,14 +187,40 @@ def _all_on_meta(model: torch.nn.Module) -> bool:
 
 
 def materialize(state: TrainState) -> None:
-    """Memory for a meta-built model's tensors (after sharding: this rank's shards only),
-    left uninitialized, on the device its factories would have used; nothing for a model
-    built for real."""
-    model = state.model
-    if any(p.is_meta for p in model.parameters()):
-        names = {id(p): name for name, p in model.named_parameters()}
-        model.to_empty(device=torch.get_default_device())
-        _repoint(state, names)  # unsharded parameters are replaced, not filled in place
+    """Memory for a meta-built state's tensors (after sharding: this rank's shards only),
+    left uninitialized, on the device its factories would have used; nothing for a state
+    built for real.
+
+    The optimizer's state tensors are made on meta first (its own step, run with nothing to
+    compute), then given memory the same way: a real first step would cost a pass over
+    the state and a gradient's worth of zeros, only to be overwritten. An optimizer that
+    cannot step on meta is left without state, for ``initialize_optimizer_state`` to make.
+    """
+    model, optimizer = state.model, state.optimizer
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    try:
+        initialize_optimizer_state(optimizer)
+    except Exception:  # e.g. it reads a value: made for real once the model has memory
+        logger.debug("the optimizer cannot step on meta", exc_info=True)
+        optimizer.state.clear()
+    names = {id(p): name for name, p in model.named_parameters()}
+    device = torch.get_default_device()
+    model.to_empty(device=device)
+    _repoint(state, names)  # unsharded parameters are replaced, not filled in place
+    for entry in optimizer.state.values():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                entry[key] = _empty_like(value, device)
+
+
+def _empty_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor on ``device`` for a meta one (a DTensor's local shard only)."""
+    if isinstance(value, DTensor):
+        return DTensor.from_local(torch.empty_like(value.to_local(), device=device),
+                                  value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return torch.empty_like(value, device=device)
 
 
 def local_piece(state: TrainState) -> Piece:
