@@ -167,3 +167,33 @@ def test_a_rank_of_the_smaller_node_holds_the_copies_of_each_rank_of_the_larger(
     assert results[2]["kept"] == [2, 0, 1]
     # two copies held: two more pieces of host memory than a rank holding one
     assert results[2]["bytes"] > results[0]["bytes"] > results[1]["bytes"]
+
+
+def _copies_in_turn(env: WorkerEnv) -> dict[str, object]:
+    groups = init_groups(env.store, rank=env.rank, world_size=2, layout=Layout(dp=2),
+                         prefix="/elastic_rt/test/round-0/", timeout=TEN_MINUTES)
+    other = 1 - env.rank
+    group = side_group(groups.world, TEN_MINUTES)
+    assert group is not None
+    copies = PeerCopies(group, Ring(to=other, sources=(other,), count=2, own_index=env.rank,
+                                    peer_indices=(other,)), every=1)
+    places = []
+    for step in range(5):
+        copies.refresh(step, _piece(env.rank, step), {"step": step})
+        wait_until(lambda: step in _steps(copies, other), 30, f"the copy of step {step}")
+        places.append(_piece_of(copies, step, other)["params"]["w"].data_ptr())
+        dist.barrier(group=groups.world)
+    held = {s.step: s.piece["params"]["w"].tolist() for s in copies.completed if s.index == other}
+    copies.close()
+    abandon_groups(groups)
+    return {"held": held, "places": places}
+
+
+def test_a_copy_lands_in_the_buffer_of_the_one_it_pushed_out_with_its_own_values() -> None:
+    for rank, result in enumerate(run_workers(_copies_in_turn, 2, timeout_s=60)):
+        other = 10.0 * (1 - rank)
+        assert result["held"] == {3: [other + 3, other + 4, other + 5],
+                                  4: [other + 4, other + 5, other + 6]}
+        places = result["places"]
+        assert places[3] == places[0] and places[4] == places[1]  # no fresh pages a step
+        assert len(set(places[:3])) == 3  # while two copies are kept, a third lands apart

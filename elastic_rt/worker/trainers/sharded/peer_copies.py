@@ -232,15 +232,20 @@ class PeerCopies:
         future: Future[BaseException | None] = Future()
 
         def run() -> None:
+            payloads: list[torch.Tensor] = []  # the kept copies' buffers, oldest first
+            spare = None  # the buffer of the copy the last one pushed out, received into next
             try:
-                while (received := receive_piece(source, group=self._group)) is not None:
-                    step, piece, meta = received
+                while (received := receive_piece(source, group=self._group,
+                                                 into=spare)) is not None:
+                    step, piece, meta, payload = received
                     with self._lock:
                         if self._closed:  # a late arrival after close() is not used
                             break
                         kept = self._held[index]
                         kept[:] = [*kept[-(_KEPT - 1):],
                                    Snapshot(step, self._ring.count, index, piece, meta)]
+                    payloads.append(payload)
+                    spare = payloads.pop(0) if len(payloads) > _KEPT else None
             except BaseException as exc:  # a source gone: the copies so far stay
                 future.set_result(exc)
                 return
@@ -269,10 +274,14 @@ def send_piece(header: bytes | None, payload: torch.Tensor | None, *, to: int,
     _point_to_point(payload, to=to, group=group)
 
 
-def receive_piece(source: int, *,
-                  group: dist.ProcessGroup) -> tuple[int, Piece, dict[str, Any]] | None:
+def receive_piece(source: int, *, group: dist.ProcessGroup, into: torch.Tensor | None = None
+                  ) -> tuple[int, Piece, dict[str, Any], torch.Tensor] | None:
     """The next piece ``source`` sends (its step, the piece as views into one buffer, its
-    runtime state), or None at its end mark. Blocking.
+    runtime state, that buffer), or None at its end mark. Blocking.
+
+    ``into``: a buffer no snapshot uses any more, received into when the sizes match. A
+    fresh one of hundreds of MB is new pages each time (above glibc's mmap threshold):
+    their faults and zeroing cost as much as the copy's memory traffic, on every step.
 
     Raises:
         RuntimeError: the peer is gone, or the group's timeout passed.
@@ -282,11 +291,12 @@ def receive_piece(source: int, *,
     if int(sizes[0]) < 0:
         return None
     head = torch.empty(int(sizes[0]), dtype=torch.uint8)
-    payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    payload = into if into is not None and into.numel() == int(sizes[1]) else \
+        torch.empty(int(sizes[1]), dtype=torch.uint8)
     _point_to_point(head, source=source, group=group)
     _point_to_point(payload, source=source, group=group)
     step, skeleton, meta = pickle.loads(head.numpy().tobytes())
-    return step, join_tensors(skeleton, _views(skeleton, payload)), meta
+    return step, join_tensors(skeleton, _views(skeleton, payload)), meta, payload
 
 
 def _point_to_point(tensor: torch.Tensor, *, group: dist.ProcessGroup, to: int | None = None,
