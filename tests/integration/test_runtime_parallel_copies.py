@@ -5,7 +5,9 @@ as one process. (FSDP pieces of pp and tp layouts: test_runtime_parallel_reshard
 pp2 over two "nodes" (one rank each) trains with copies of each stage on the other rank.
 Then rank 1 is lost: SIGKILLed between steps once its newest copy is out (rank 0's next
 step raises; with copies every step nothing is done again, every two steps one step), or
-handing over at a boundary as a preempted node does. A third process takes its
+in a step after its update and before its copy left (rank 0's step, waiting for that copy,
+raises: the step never counted, and nothing that counted is done again), or handing over
+at a boundary as a preempted node does. A third process takes its
 place as rank 1 of the next pp2 round, holding nothing; stage 1 must come from rank 0's copy
 of it, and the run must end where one process ends (``described_model.reference_params``).
 """
@@ -92,6 +94,12 @@ def _lose_stage_1(env: WorkerEnv, every: int, before: int, total: int,
             run.step(ctx)
         if how == "hand_over":
             run.trainer.hand_over(ctx, run.progress.step)
+        elif env.rank == 1 and how == "kill-before-copy":  # its update applied, no copy sent
+
+            def die(*_: Any, **__: Any) -> None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            setattr(run.trainer.copies, "refresh", die)
+            run.step(ctx)
         elif env.rank == 1:  # killed once its newest copy is out
             copies = run.trainer.copies.round
             assert copies is not None
@@ -99,7 +107,8 @@ def _lose_stage_1(env: WorkerEnv, every: int, before: int, total: int,
             env.store.set("rank1-killed", "1")
             os.kill(os.getpid(), signal.SIGKILL)
         else:
-            env.store.wait(["rank1-killed"])
+            if how == "kill":
+                env.store.wait(["rank1-killed"])
             try:
                 run.step(ctx)  # its peer is gone: the step raises and changes nothing
             except Exception as exc:  # noqa: B902 - what the loop catches
@@ -124,14 +133,17 @@ def _lose_stage_1(env: WorkerEnv, every: int, before: int, total: int,
     (1, 3, "kill", 3),       # the copy of step 3 went out as rank 1 finished it
     (2, 3, "kill", 2),       # copies of steps 0 and 2: step 3 done again
     (2, 3, "hand_over", 3),  # copies refreshed at the boundary: nothing done again
-], ids=["kill-every-1", "kill-every-2", "hand-over"])
+    # killed in step 4 after its update, before its copy left: step 4 never counted on
+    # rank 0 either (it waits for the copies), so the round resumes after step 3
+    (1, 3, "kill-before-copy", 3),
+], ids=["kill-every-1", "kill-every-2", "hand-over", "kill-before-copy"])
 def test_a_lost_stage_comes_back_from_its_peer_copy_with_no_checkpoint(
         every: int, before: int, how: str, restored: int) -> None:
     total = 6
     results = run_workers(_lose_stage_1, 3, args=(every, before, total, how), timeout_s=90,
                           may_die=frozenset({1}))
     survivor, newcomer = results[0], results[2]
-    if how == "kill":  # its next step raised, and the loop would have retried it
+    if how.startswith("kill"):  # its next step raised, and the loop would have retried it
         assert results[1] is None and survivor["failed"] != "no step failed"
     else:
         assert results[1] == {"left": True} and survivor["failed"] == "no step failed"

@@ -47,6 +47,19 @@ def test_copies_older_than_the_live_state_roll_every_part_back_to_their_step() -
     assert pick_sources(holders, copies) == Choice(4, {(0, 0): 0, (1, 0): 0}, frozenset())
 
 
+def test_snapshots_of_a_step_nobody_committed_are_passed_over() -> None:
+    # rank 0 finished step 6's update and snapshot, then failed waiting for the copies (its
+    # live state is not clean); the lost rank's copy of 6 had landed, yet nobody committed
+    # 6: the round resumes after step 5, the newest step that counted
+    holders = [Holder(-1, 5, (0, 0), PP2), NOBODY]
+    copies = [[Copy(5, PP2, (0, 0)), Copy(6, PP2, (0, 0)),
+               Copy(5, PP2, (1, 0)), Copy(6, PP2, (1, 0))], []]
+    assert pick_sources(holders, copies, newest=5) == Choice(5, {(0, 0): 0, (1, 0): 0},
+                                                             frozenset())
+    unbounded = pick_sources(holders, copies)
+    assert unbounded is not None and unbounded.step == 6
+
+
 def test_the_lowest_rank_gives_a_part_and_a_part_and_its_copy_lost_together_is_none() -> None:
     cut = (4, 1)
     holders = [Holder(3, 3, (pp, 0), cut) for pp in range(4)]

@@ -21,9 +21,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from elastic_rt.errors import ConfigError
 from elastic_rt.process_groups import group_timeout, side_group
 from elastic_rt.sampler import ElasticSampler
+from elastic_rt.worker import abort
 from elastic_rt.worker.context import Context
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.checkpoint_restore import named_state
@@ -76,6 +80,7 @@ class PartCopies:
         self.every = every
         self.round: PeerCopies | None = None  # this round's copies
         self.snapshots: list[Snapshot] = []  # own and held ones, once the copies stopped
+        self._committed: int | None = None  # the step whose copies all landed last
 
     def start(self, ctx: Context) -> None:
         """This round's placement, where one node's loss could take a part (collective)."""
@@ -99,6 +104,7 @@ class PartCopies:
         ring = Ring(to=holders[ctx.rank], sources=sources, count=pieces * width,
                     own_index=opp * width + otp, peer_indices=tuple(indices))
         self.round = PeerCopies(group, ring, every=self.every)
+        self._committed = None
 
     def settle(self) -> None:
         """Wait for the send in flight, before a step changes the state, so that the
@@ -126,6 +132,33 @@ class PartCopies:
         meta = TrainMeta.capture(step=committed, sampler=sampler, state=state)
         copies.refresh(committed, _piece(state, *piece_of(ctx.layout, ctx.rank)),
                        meta.encode())
+
+    def commit(self, ctx: Context, step: int) -> None:
+        """On a step whose copies were due: wait until every rank's copy of ``step`` has
+        landed on its holder, then for every rank to know it (one small all-reduce over the
+        world). Collective; nothing without copies.
+
+        So a step counts as done only once no single node's loss can take a part of it: a
+        node lost at any moment after a step then costs no step done again (with copies every
+        step), where copies landing beside the next step cost one whenever the node died
+        before its copy was out. The price is the copy's transfer on the step's path, on
+        the steps that send one (``peer_copy_every``).
+
+        Raises:
+            RoundAbandoned: the round's notice came first.
+            RuntimeError: a peer is gone.
+        """
+        copies = self.round
+        if copies is None or (self._committed is not None
+                              and step - self._committed < self.every):
+            return  # decided from the steps alone: every rank of the round agrees
+        copies.settle()
+        copies.wait_landed(step)
+        everyone = torch.zeros(1)
+        work = dist.all_reduce(everyone, group=ctx.groups.world, async_op=True)
+        assert work is not None  # async_op=True always returns a Work
+        abort.wait(work.get_future())
+        self._committed = step
 
     def stop(self) -> None:
         """End this round's copies; keep the snapshots and the copies that arrived."""

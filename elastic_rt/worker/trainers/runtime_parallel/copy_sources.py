@@ -43,14 +43,18 @@ class Choice:
     """The parts whose source gives its live state; the others come from a snapshot."""
 
 
-def pick_sources(holders: list[Holder], copies: list[list[Copy]]) -> Choice | None:
+def pick_sources(holders: list[Holder], copies: list[list[Copy]], *,
+                 newest: int | None = None) -> Choice | None:
     """The newest step whose cut is covered by live parts and snapshots, per part the
     preferred source (live first, then the lowest rank); None when no step is covered.
 
-    ``holders[r]`` and ``copies[r]`` are rank ``r``'s live part and its snapshots' parts.
+    ``holders[r]`` and ``copies[r]`` are rank ``r``'s live part and its snapshots' parts;
+    steps after ``newest`` (the last step any rank committed) are passed over.
     """
     offered = [(h.step, h.cut) for h in holders if h.step >= 0 and h.cut is not None]
     offered += [(c.step, c.cut) for held in copies for c in held]
+    if newest is not None:
+        offered = [(step, cut) for step, cut in offered if step <= newest]
     for step, cut in sorted(set(offered), key=lambda sc: (-sc[0], sc[1])):
         live = {h.part: r for r, h in reversed(list(enumerate(holders)))
                 if h.step == step and h.cut == cut and h.part is not None}

@@ -111,6 +111,7 @@ class RuntimeParallelTrainer:
         self.modules: RankModules | None = None
         self.state: TrainState | None = None
         self.held: tuple[Layout, int] | None = None  # (layout, rank) the state is cut by
+        self.ahead = False  # the state holds the update of a step whose copies never landed
         self.pipeline: Pipeline | None = None
         self._losses: list[tuple[float, int]] = []  # this step's (micro-batch loss, samples)
         self._global_len = 1
@@ -124,30 +125,32 @@ class RuntimeParallelTrainer:
 
     def restore(self, at: Restoring) -> Restored:
         self.copies.stop()
-        kept = (self.description, self.modules, self.state, self.held, self.copies.snapshots,
-                at.progress.step, at.progress.is_dirty, at.sampler.state_dict())
+        kept = (self.description, self.modules, self.state, self.held, self.ahead,
+                self.copies.snapshots, at.progress.step, at.progress.is_dirty,
+                at.sampler.state_dict())
         try:
             return Restored(self._restore(at))
         except BaseException:
             # A peer died during the restore: keep what this rank held, so that the next
             # round can still restore from it (a fresh build holds nothing).
             self.copies.stop()  # made for the new state, which is dropped
-            (self.description, self.modules, self.state, self.held, self.copies.snapshots,
-             at.progress.step, at.progress.is_dirty, sampler) = kept
+            (self.description, self.modules, self.state, self.held, self.ahead,
+             self.copies.snapshots, at.progress.step, at.progress.is_dirty, sampler) = kept
             at.sampler.load_state_dict(sampler)
             raise
 
     def _restore(self, at: Restoring) -> str:
         ctx, progress = at.ctx, at.progress
         old, held = self.state, self.held
-        mine = holder_of(step=progress.step, is_clean=not progress.is_dirty,
+        mine = holder_of(step=progress.step, is_clean=not (progress.is_dirty or self.ahead),
                          layout=held[0] if held else None, rank=held[1] if held else None)
         holders, copies = gather(mine, self.copies.held(), ctx.groups.world)
         progress.is_dirty = True  # until the new state holds the state of `step`
         self.sampler = at.sampler
         state = self._build(ctx)
-        choice = pick_sources(holders, copies)
         last = max(h.last_step for h in holders)
+        # never a step nobody committed: one whose copies were still landing when it failed
+        choice = pick_sources(holders, copies, newest=last)
         if choice is None:
             source = from_checkpoint_or_init(at, lambda: load_checkpoint_into(state, at),
                                              state=state, last=last)
@@ -160,6 +163,7 @@ class RuntimeParallelTrainer:
         self._start_pipeline(ctx)
         self.copies.start(ctx)
         self.copies.refresh(ctx, progress.step, state, at.sampler)
+        self.copies.commit(ctx, progress.step)  # the restored state's copies, landed
         return source
 
     def _from_survivors(self, at: Restoring, old: TrainState | None, state: TrainState,
@@ -202,6 +206,7 @@ class RuntimeParallelTrainer:
     def _build(self, ctx: Context) -> TrainState:
         """The description for the round's layout, cut, tensor-split, with its optimizer."""
         self.state = self.description = self.modules = self.pipeline = None
+        self.ahead = False
         described = self.build(ctx.layout)
         if not isinstance(described, ModelDescription):
             raise ConfigError(f"build() returned {type(described).__name__} with "
@@ -272,8 +277,13 @@ class RuntimeParallelTrainer:
         if self.clip_grad_norm is not None:
             clip_grad_norm(local_params(self.modules), self.clip_grad_norm, ctx.layout,
                            ctx.groups.world)
-        self.state.optimizer.step()  # after every collective of the step: it is atomic
+        self.state.optimizer.step()  # after every collective of the step
         self.copies.refresh(ctx, step, self.state, self.sampler.advanced())  # never waits
+        try:
+            self.copies.commit(ctx, step)  # with copies, the step counts once they landed
+        except BaseException:
+            self.ahead = True  # the update of a step that never counted
+            raise
         return (loss_sum / samples if samples else math.nan), loss_sum / global_len
 
     def _backward_each(self, micro_batches: list[tuple[Any, int]], layout: Layout,
@@ -298,6 +308,9 @@ class RuntimeParallelTrainer:
         return float(total)
 
     def is_step_atomic(self) -> bool:
+        """A step changes nothing before its last collective. With copies it then waits
+        for them to land (``copies.commit``), after its update: one that raises there marks
+        the state :attr:`ahead`, and the restore takes the snapshots instead."""
         return True
 
     def compute_seconds(self) -> float | None:

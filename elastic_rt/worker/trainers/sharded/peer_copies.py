@@ -90,6 +90,9 @@ class Ring:
     peer_indices: tuple[int, ...]
 
 
+_LANDED_POLL_S = 0.02
+"""How often :meth:`PeerCopies.wait_landed` looks at the round's notice and the receivers."""
+
 _KEPT = 2
 """Snapshots kept of each piece: the newest, and the one before it for a step whose copies
 reached some survivors only."""
@@ -107,7 +110,7 @@ class PeerCopies:
         self._group, self._ring, self._every = group, ring, every
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._next = 0  # the send buffer the next refresh fills (not the newest's)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified as each copy lands
         self._own: list[Snapshot] = []  # at most the two newest, oldest first
         self._held: dict[int, list[Snapshot]] = {index: [] for index in ring.peer_indices}
         self._sending: Future[BaseException | None] | None = None
@@ -188,6 +191,26 @@ class PeerCopies:
             abandon_side_group(self._group)
         return completed
 
+    def wait_landed(self, step: int) -> None:
+        """Until the copy of ``step`` from every rank this rank holds for has arrived whole.
+
+        Raises:
+            RoundAbandoned: the round's notice came first (a peer was dropped).
+            RuntimeError: a rank held for stopped sending before its copy of ``step``.
+        """
+        with self._lock:
+            while not all(any(s.step == step for s in held) for held in self._held.values()):
+                stopped = [source for source, receiving in
+                           zip(self._ring.sources, self._receiving) if receiving.done()]
+                if stopped:
+                    raise RuntimeError(f"rank {stopped[0]} stopped sending copies before "
+                                       f"its copy of step {step}")
+                if abort.round_notice().is_given:
+                    raise abort.RoundAbandoned(
+                        f"a newer round dropped a member while the copies of step {step} "
+                        "were on their way")
+                self._lock.wait(_LANDED_POLL_S)
+
     def host_bytes(self) -> int:
         """The host memory the snapshots and copies take now."""
         with self._lock:
@@ -244,6 +267,7 @@ class PeerCopies:
                         kept = self._held[index]
                         kept[:] = [*kept[-(_KEPT - 1):],
                                    Snapshot(step, self._ring.count, index, piece, meta)]
+                        self._lock.notify_all()
                     payloads.append(payload)
                     spare = payloads.pop(0) if len(payloads) > _KEPT else None
             except BaseException as exc:  # a source gone: the copies so far stay
