@@ -243,7 +243,7 @@ class PeerCopies:
             try:
                 send_piece(header, payload, to=self._ring.to, group=self._group)
             except BaseException as exc:  # reported to the training thread by the future
-                future.set_result(exc)
+                future.set_result(exc.with_traceback(None))  # its frames held the buffers
                 return
             future.set_result(None)
 
@@ -271,7 +271,7 @@ class PeerCopies:
                     payloads.append(payload)
                     spare = payloads.pop(0) if len(payloads) > _KEPT else None
             except BaseException as exc:  # a source gone: the copies so far stay
-                future.set_result(exc)
+                future.set_result(exc.with_traceback(None))  # its frames held the buffers
                 return
             future.set_result(None)
 

@@ -101,6 +101,9 @@ class ShardedTrainer(TrainStateTrainer):
              at.progress.is_dirty, sampler) = kept
             at.sampler.load_state_dict(sampler)
             raise
+        # The old state and snapshots go before the restored state's copy is made: its
+        # buffer then takes their memory instead of adding to it (600 MB a rank at 1.2 GB).
+        del kept
         self._refresh_snapshot(at.progress.step, at.sampler)  # the restored state's copy
         return Restored(source)
 
