@@ -9,7 +9,8 @@ and one node is SIGKILLed after ``--kill-step`` steps:
   redone, nothing read from storage.
 - ``pp3-copies``: three nodes of one worker, ``pp3``; no stage has a replica, each has a copy
   in its ring neighbour's host memory (``peer_copy_every=1``). The survivors re-plan to
-  ``pp2``; the lost stage comes from its copy (at most one step redone), no checkpoint.
+  ``pp2``; the lost stage comes from its copy, no checkpoint: no step that counted is done
+  again (a step counts once its copies have landed).
 
 Each trial reports the kill -> the survivors' next completed step, and that minus the
 median step time of the new layout after it (the figure the issue targets: <= 1.0 s beyond
@@ -22,21 +23,22 @@ Run:  python scripts/bench/runtime_parallel_recovery.py                 # both c
       python scripts/bench/runtime_parallel_recovery.py --cases pp2xdp2 --repeats 5
 
 Measured 2026-12-06 on this 2-core machine, nothing else running, the example at its
-default size (3.2M parameters, AdamW: 38 MB of state), after copies began to leave at the
-end of each rank's step (``sharded/peer_copies``): ``pp2xdp2`` -> ``pp3`` (4 trials) kill ->
-next step 0.42-0.62 s, +0.24-0.43 s beyond a step of ``pp3``, 0 steps redone (restore from
-the survivors 85-147 ms; survivors' worker RSS 651-665 MB: on nodes of 3 + 1 workers stage
-0 has no replica off node ``a``, so copies are kept, the lone rank holding three);
-``pp3-copies`` -> ``pp2`` (9 trials) +0.30-0.80 s beyond a step, 0 steps redone in 6, 1 in
-3 (restore from peer copies 141-589 ms; RSS 514-578 MB). A step is redone when the kill
-lands after the victim's last collective of a step and before its copy of that step has
-left: the bench kills right after the survivors report a step, which is where that window
-is (with a 1.2-1.5 s ``pp3`` step on these loaded cores, about 0.1-0.2 s: the optimizer step,
-the snapshot by name and the send). Before copies left at the end of a step (they were
-swapped at the start of the next, once both ranks got there), 3 of 3 trials redid one
-step. One earlier trial of ``pp2xdp2``, started right after another benchmark, ended with
-node ``a`` exiting 1; its logs were lost with its temporary folder (``--workdir`` keeps them
-now) and the trials since have not shown it again.
+default size (3.2M parameters, AdamW: 38 MB of state), once a step with copies counts only
+after every copy of it has landed (``runtime_parallel/copies.PartCopies.commit``), command
+``--cases pp3-copies pp2xdp2 --repeats 4``: ``pp3-copies`` -> ``pp2`` kill -> next step
+0.69-1.16 s, **+0.48-0.92 s beyond a step** of ``pp2`` (median +0.75), **0 steps redone in
+4 of 4** (restore from peer copies 200-723 ms, which includes the restored state's own
+copies landing; survivors' worker RSS 502-522 MB; a ``pp3`` step before the kill 1.08-1.39
+s); ``pp2xdp2`` -> ``pp3`` +0.29-0.42 s beyond a step, 0 redone in 4 of 4 (restore from the
+survivors 96-161 ms; RSS 533-548 MB: on nodes of 3 + 1 workers stage 0 has no replica off
+node ``a``, so copies are kept, the lone rank holding three). Before that commit (copies
+landing beside the next step) ``pp3-copies`` redid one step in 3 of 9 trials: the bench
+kills right after the survivors report a step, and a kill after the victim's last
+collective and before its copy of that step had left cost that step. Now the survivors
+report a step only once its copies are on their holders, and a kill before that costs only
+the step in flight, which never counted. One earlier trial of ``pp2xdp2``, started right
+after another benchmark, ended with node ``a`` exiting 1; its logs were lost with its
+temporary folder (``--workdir`` keeps them now) and the trials since have not shown it again.
 """
 
 from __future__ import annotations
