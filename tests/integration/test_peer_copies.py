@@ -61,14 +61,21 @@ def _piece_of(copies: PeerCopies, step: int, index: int) -> dict[str, Any]:
     return next(s.piece for s in copies.completed if s.step == step and s.index == index)
 
 
-def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
+def _two_ranks(env: WorkerEnv) -> tuple[Any, dist.ProcessGroup, PeerCopies]:
+    """A round of two ranks, each holding the other's copy, sent every step."""
     groups = init_groups(env.store, rank=env.rank, world_size=2, layout=Layout(dp=2),
                          prefix="/elastic_rt/test/round-0/", timeout=TEN_MINUTES)
     other = 1 - env.rank
     group = side_group(groups.world, TEN_MINUTES)
     assert group is not None
-    copies = PeerCopies(group, Ring(to=other, sources=(other,), count=2, own_index=env.rank,
-                                    peer_indices=(other,)), every=1)
+    return groups, group, PeerCopies(group, Ring(to=other, sources=(other,), count=2,
+                                                 own_index=env.rank, peer_indices=(other,)),
+                                     every=1)
+
+
+def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
+    groups, group, copies = _two_ranks(env)
+    other = 1 - env.rank
     notice = round_notice()
     notice.train_in(loopback_round(0, "a", "b"))
     live = _piece(env.rank, 0)
@@ -170,13 +177,8 @@ def test_a_rank_of_the_smaller_node_holds_the_copies_of_each_rank_of_the_larger(
 
 
 def _copies_in_turn(env: WorkerEnv) -> dict[str, object]:
-    groups = init_groups(env.store, rank=env.rank, world_size=2, layout=Layout(dp=2),
-                         prefix="/elastic_rt/test/round-0/", timeout=TEN_MINUTES)
+    groups, _, copies = _two_ranks(env)
     other = 1 - env.rank
-    group = side_group(groups.world, TEN_MINUTES)
-    assert group is not None
-    copies = PeerCopies(group, Ring(to=other, sources=(other,), count=2, own_index=env.rank,
-                                    peer_indices=(other,)), every=1)
     places = []
     for step in range(5):
         copies.refresh(step, _piece(env.rank, step), {"step": step})
