@@ -287,6 +287,7 @@ def abandon_groups(groups: Groups | None) -> None:
     if world.pg_map:
         for group in world.pg_map:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+            _drop_finished(group)
         _abandoned.append(list(world.pg_map))
     c10d._update_default_pg(None)
     for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
@@ -298,6 +299,15 @@ def abandon_groups(groups: Groups | None) -> None:
     what = f"layout {groups.layout}" if groups is not None else "an unfinished round"
     logger.info("Process groups of %s abandoned (a collective may be blocked on a hung peer)",
                 what)
+
+
+def _drop_finished(group: dist.ProcessGroup) -> None:
+    """Let an abandoned group's finished collectives go now, and the buffers they hold
+    (a peer copy's send of 400 MB at 1.2 GB of FSDP state): a group lists its works until
+    its next collective, and an abandoned one has none, so they stayed until the group
+    was released at the next re-form."""
+    if isinstance(group, noticed_gloo.NoticedGloo):
+        group.is_idle()
 
 
 def release_abandoned(settle_s: float = 0.0) -> int:
@@ -423,6 +433,7 @@ def abandon_side_group(group: dist.ProcessGroup) -> None:
         return
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
     _abandoned.append([group])
+    _drop_finished(group)
     for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
                      world.pg_to_tag, world.pg_coalesce_state):
         registry.pop(group, None)

@@ -172,3 +172,37 @@ def test_a_re_formed_round_that_moved_ranks_shards_by_the_new_ranks() -> None:
     for first in (0, 1):
         assert results[first] == [[first, [first], [first], True],
                                   [1 - first, [1 - first], [1 - first], True]], results
+
+
+def _abandon_after_a_send(env: WorkerEnv) -> dict[str, float]:
+    import psutil
+
+    from elastic_rt.process_groups import abandon_groups, abandon_side_group, side_group
+
+    def resident_mb() -> float:
+        return psutil.Process().memory_info().rss / 2**20
+
+    groups = _form(env, Layout(dp=2), 0)
+    side = side_group(groups.world, TIMEOUT)
+    assert side is not None
+    before = resident_mb()
+    copy = torch.ones(16 << 20)  # 64 MB: a peer copy's buffer, in small
+    work = (dist.isend(copy, group=side, group_dst=1) if env.rank == 0
+            else dist.irecv(copy, group=side, group_src=0))
+    assert work is not None
+    work.wait()
+    summed = torch.ones(16 << 20)
+    dist.all_reduce(summed, group=groups.world)
+    del copy, summed, work
+    listed = resident_mb() - before
+    abandon_side_group(side)
+    abandon_groups(groups)
+    return {"listed": listed, "kept": resident_mb() - before}
+
+
+def test_an_abandoned_group_lets_the_buffers_of_its_finished_work_go() -> None:
+    for result in run_workers(_abandon_after_a_send, 2):
+        # a group keeps its last collective's work until its next one, and gloo's work
+        # keeps its 64 MB buffer (one of the two here)
+        assert result["listed"] > 50, result
+        assert result["kept"] < 30, result  # abandoned, it has no next one (68 MB before)
