@@ -64,6 +64,8 @@ def test_a_plain_build_runs_on_meta_and_its_optimizer_follows_it_onto_memory() -
     materialize(state)
     assert [id(p) for group in state.optimizer.param_groups for p in group["params"]] \
         == [id(p) for p in state.model.parameters()]  # the optimizer steps the new ones
+    # its state is keyed by the new parameters too
+    assert {id(p) for p in state.optimizer.state} == {id(p) for p in state.model.parameters()}
     moments = [v for entry in state.optimizer.state.values() for v in entry.values()
                if isinstance(v, torch.Tensor)]
     assert len(moments) == 3 * len(list(state.model.parameters()))  # made on meta, then filled

@@ -205,13 +205,19 @@ def materialize(state: TrainState) -> None:
         logger.debug("the optimizer cannot step on meta", exc_info=True)
         optimizer.state.clear()
     names = {id(p): name for name, p in model.named_parameters()}
+    made = {names[id(p)]: entry for p, entry in optimizer.state.items()}
     device = torch.get_default_device()
     model.to_empty(device=device)
-    _repoint(state, names)  # unsharded parameters are replaced, not filled in place
-    for entry in optimizer.state.values():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.is_meta:
-                entry[key] = _empty_like(value, device)
+    # Unsharded parameters are replaced, not filled in place: the optimizer's groups and its
+    # state (keyed by parameter) follow them by name. (FSDP's DTensors keep their identity.)
+    _repoint(state, names)
+    now = dict(model.named_parameters())
+    optimizer.state.clear()
+    for name, entry in made.items():
+        optimizer.state[now[name]] = {
+            key: _empty_like(value, device)
+            if isinstance(value, torch.Tensor) and value.is_meta else value
+            for key, value in entry.items()}
 
 
 def _empty_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
