@@ -101,7 +101,9 @@ class _Stream:
         for index, lo, hi, at in self._spans(start, into.numel()):
             tensor = self.slices[index]
             if not tensor.is_contiguous():
-                tensor = self._staged.setdefault(index, tensor.contiguous())
+                if index not in self._staged:  # one copy for all the waves it spans
+                    self._staged[index] = tensor.contiguous()
+                tensor = self._staged[index]
             into[at:at + hi - lo].copy_(_bytes(tensor)[lo:hi])
             if hi == tensor.numel() * tensor.element_size():
                 self._staged.pop(index, None)
@@ -109,8 +111,9 @@ class _Stream:
     def write(self, start: int, data: torch.Tensor) -> None:
         for index, lo, hi, at in self._spans(start, data.numel()):
             place = self.slices[index]
-            target = place if place.is_contiguous() else self._staged.setdefault(
-                index, torch.empty(place.shape, dtype=place.dtype))
+            if not place.is_contiguous() and index not in self._staged:
+                self._staged[index] = torch.empty(place.shape, dtype=place.dtype)
+            target = place if place.is_contiguous() else self._staged[index]
             _bytes(target)[lo:hi].copy_(data[at:at + hi - lo])
             if target is not place and hi == place.numel() * place.element_size():
                 place.copy_(self._staged.pop(index))

@@ -198,10 +198,14 @@ class PeerCopies:
             RoundAbandoned: the round's notice came first (a peer was dropped).
             RuntimeError: a rank held for stopped sending before its copy of ``step``.
         """
+        def missing() -> list[tuple[int, Future[BaseException | None]]]:
+            return [(source, receiving) for source, index, receiving in
+                    zip(self._ring.sources, self._ring.peer_indices, self._receiving)
+                    if not any(s.step == step for s in self._held[index])]
+
         with self._lock:
-            while not all(any(s.step == step for s in held) for held in self._held.values()):
-                stopped = [source for source, receiving in
-                           zip(self._ring.sources, self._receiving) if receiving.done()]
+            while lacking := missing():
+                stopped = [source for source, receiving in lacking if receiving.done()]
                 if stopped:
                     raise RuntimeError(f"rank {stopped[0]} stopped sending copies before "
                                        f"its copy of step {step}")
