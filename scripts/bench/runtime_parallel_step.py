@@ -13,6 +13,9 @@ time per step of each, and their ratio.
 Run:  python scripts/bench/runtime_parallel_step.py --layout pp2        # 2 gloo processes
       python scripts/bench/runtime_parallel_step.py --layout tp2
       python scripts/bench/runtime_parallel_step.py --layout fsdp2xtp2  # 4 gloo processes
+      python scripts/bench/runtime_parallel_step.py --layout tp2 --sequence-parallel
+(``--sequence-parallel``: both sides take the example's sequence-parallel plans, the twin
+through ``parallelize_module`` on the blocks and on the model's outer modules.)
 
 Measured 2026-12-06 on this 2-core machine with nothing else running (load average < 1),
 the example's Llama-style decoder (3.2M parameters), global batch 16 x 64 characters, 60
@@ -60,13 +63,16 @@ SEQ = 64
 GLOBAL_BATCH = 16
 
 
-def _twin(layout: Layout, rank: int, groups: Any) -> Any:
+def _twin(layout: Layout, rank: int, groups: Any, sequence_parallel: bool) -> Any:
     """A step function written with torch alone, on the round's groups."""
     described = ex.describe(**MODEL)
     model: Any = described.model
     if layout.tp > 1:
+        plan = ex.SEQUENCE_BLOCK_PLAN if sequence_parallel else ex.BLOCK_TP_PLAN
         for block in model.layers:
-            parallelize_module(block, groups.mesh["tp"], dict(ex.BLOCK_TP_PLAN))
+            parallelize_module(block, groups.mesh["tp"], dict(plan))
+        if sequence_parallel:
+            parallelize_module(model, groups.mesh["tp"], dict(ex.SEQUENCE_OUTER_PLAN))
         if layout.shard > 1:  # torchtitan's order: TP, then FSDP2 per block and the root
             for block in model.layers:
                 fully_shard(block, mesh=groups.shard_mesh)
@@ -94,7 +100,8 @@ def _twin(layout: Layout, rank: int, groups: Any) -> Any:
     return pp_step
 
 
-def _worker(rank: int, port: int, name: str, steps: int, window: int, out: Any) -> None:
+def _worker(rank: int, port: int, name: str, steps: int, window: int, sequence_parallel: bool,
+            out: Any) -> None:
     torch.set_num_threads(1)
     layout = LAYOUTS[name]
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=60))
@@ -104,10 +111,11 @@ def _worker(rank: int, port: int, name: str, steps: int, window: int, out: Any) 
                   round=0, token=0, layout=layout, groups=groups)
     data = ex.CharWindows(SEQ, 4096)
     sampler = ElasticSampler(len(data), global_batch_size=GLOBAL_BATCH, seed=0)
-    trainer = RuntimeParallelTrainer(lambda _: ex.describe(**MODEL), ModelParallel())
+    trainer = RuntimeParallelTrainer(
+        lambda _: ex.describe(**MODEL, sequence_parallel=sequence_parallel), ModelParallel())
     trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=sampler, progress=Progress()))
     sampler.set_world(ctx.dp_rank, ctx.dp_size)
-    twin = _twin(layout, rank, groups)
+    twin = _twin(layout, rank, groups, sequence_parallel)
     batch = default_collate([data[i] for i in sampler.local_batch()])
     times: dict[str, list[float]] = {"runtime": [], "torch": []}
     for block in range(2 * steps // window):
@@ -132,12 +140,14 @@ def main() -> None:
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="pp2")
     parser.add_argument("--steps", type=int, default=60, help="steps per side")
     parser.add_argument("--window", type=int, default=5, help="steps per block")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="the example's sequence-parallel plans (tp layouts)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = 29_000 + os.getpid() % 1000
     procs = [ctx.Process(target=_worker, args=(rank, port, args.layout, args.steps,
-                                               args.window, out))
+                                               args.window, args.sequence_parallel, out))
              for rank in range(LAYOUTS[args.layout].world_size)]
     for proc in procs:
         proc.start()
@@ -148,7 +158,8 @@ def main() -> None:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-    print(f"{args.layout}: runtime {result['runtime'] * 1000:.1f} ms/step, torch twin "
+    name = args.layout + (" sequence-parallel" if args.sequence_parallel else "")
+    print(f"{name}: runtime {result['runtime'] * 1000:.1f} ms/step, torch twin "
           f"{result['torch'] * 1000:.1f} ms/step, ratio {result['runtime'] / result['torch']:.3f}")
 
 

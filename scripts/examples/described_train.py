@@ -40,8 +40,14 @@ import time
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 import elastic_rt as ert
 
@@ -132,15 +138,39 @@ BLOCK_TP_PLAN = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParal
                  "feed_forward.w2": RowwiseParallel()}
 
 
+# Sequence parallelism on top (Megatron's, as torchtitan plans it): between the blocks
+# each tensor-parallel rank holds its slice of the sequence, so the norms and residual adds
+# run on 1/tp of the positions; attention and the MLP gather the whole sequence on the way
+# in, and wo and w2 reduce-scatter it back to slices on the way out.
+_SLICE, _WHOLE = (Shard(1),), (Replicate(),)  # of the sequence
+SEQUENCE_BLOCK_PLAN: dict[str, ParallelStyle] = {
+    "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+    "attention": PrepareModuleInput(input_layouts=_SLICE, desired_input_layouts=_WHOLE,
+                                    use_local_output=True),
+    "feed_forward": PrepareModuleInput(input_layouts=_SLICE, desired_input_layouts=_WHOLE,
+                                       use_local_output=True),
+    **BLOCK_TP_PLAN,
+    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+}
+SEQUENCE_OUTER_PLAN: dict[str, ParallelStyle] = {
+    "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "norm": SequenceParallel(),
+    "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+}
+
+
 def describe(*, width: int = 256, depth: int = 4, heads: int = 8, lr: float = 3e-3,
-             dtype: torch.dtype = torch.float32) -> ert.ModelDescription:
+             dtype: torch.dtype = torch.float32,
+             sequence_parallel: bool = False) -> ert.ModelDescription:
     """The model, described once; every rank builds the same one (seeded)."""
     torch.manual_seed(0)
     model = Decoder(width=width, depth=depth, heads=heads).to(dtype)
     return ert.ModelDescription(
         model=model, before=(model.embed,), blocks=model.layers, after=(model.norm, model.head),
-        block_tp_plan=BLOCK_TP_PLAN, loss=next_char_loss,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+        block_tp_plan=SEQUENCE_BLOCK_PLAN if sequence_parallel else BLOCK_TP_PLAN,
+        outer_tp_plan=SEQUENCE_OUTER_PLAN if sequence_parallel else None,
+        loss=next_char_loss, optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
     )
 
 
@@ -200,6 +230,9 @@ def parse_args() -> argparse.Namespace:
                    help="most ranks one copy of each part is FSDP-sharded over")
     p.add_argument("--min-cut", type=int, default=2,
                    help="pp x tp x FSDP shards must be at least this")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="cut the activations along the sequence between tp ranks "
+                        "(--seq a multiple of every tp option)")
     p.add_argument("--float64", action="store_true", help="train in float64")
     p.add_argument("--checkpoint", default=None, help="checkpoint URL (path, file://, s3://)")
     p.add_argument("--every", type=int, default=50, help="checkpoint every this many steps")
@@ -213,13 +246,17 @@ def main() -> None:
     dtype = torch.float64 if args.float64 else torch.float32
     sizes = {"width": args.width, "depth": args.depth, "heads": args.heads}
     n_params = sum(p.numel() for p in describe(**sizes, dtype=dtype).model.parameters())
+    if any(args.seq % tp for tp in args.tp_options) and args.sequence_parallel:
+        raise SystemExit(f"--seq {args.seq} is not a multiple of every --tp-options "
+                         f"{args.tp_options}: sequence parallelism cuts it evenly. "
+                         "Pick one that is.")
     if os.environ.get("RANK", "0") == "0":
         print(f"{n_params:,} parameters", flush=True)
     began = time.perf_counter()
 
     def build(layout: ert.Layout) -> ert.ModelDescription:
         # the same model for every layout: the runtime cuts it
-        return describe(**sizes, dtype=dtype)
+        return describe(**sizes, dtype=dtype, sequence_parallel=args.sequence_parallel)
 
     def report(step: ert.StepReport) -> None:
         if args.step_time:

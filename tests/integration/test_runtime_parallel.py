@@ -46,7 +46,8 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
             checkpoint_url: str | None = None, copy_every: int = 1,
             clip: float | None = None, autocast_dtype: torch.dtype | None = None,
             from_checkpoint: bool = False, rejoin: bool = False,
-            members: list[list[int]] | None = None) -> dict[str, Any]:
+            members: list[list[int]] | None = None,
+            sequence_parallel: bool = False) -> dict[str, Any]:
     """Train each ``(layout, steps)`` in turn, saving a checkpoint at the end of each when
     ``checkpoint_url`` is given; the parameters at the end, whole, by name. Each rank is a
     node of its own: parts without a replica are copied to the next rank (``copy_every``).
@@ -58,7 +59,8 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
     node, so that it comes back in a later round holding nothing, like a new node. With
     ``from_checkpoint`` every round after the first starts from nothing too (a new trainer,
     sampler and position: workers started again), so its state can only come from the
-    checkpoint the previous round saved."""
+    checkpoint the previous round saved. ``sequence_parallel``: the model's plans that cut
+    the activations along the sequence between the tensor-parallel ranks."""
     from elastic_rt.checkpoint import Checkpointer
     from elastic_rt.layout import Layout
     from elastic_rt.process_groups import destroy_groups
@@ -72,7 +74,8 @@ def _rounds(env: WorkerEnv, rounds: list[tuple[dict[str, int], int]],
     def fresh() -> tuple[ElasticSampler, Progress, RuntimeParallelTrainer]:
         sampler = ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0,
                                  micro_batch_size=micro_batch_size)
-        trainer = RuntimeParallelTrainer(lambda layout: dm.describe(dtype=dtype),
+        trainer = RuntimeParallelTrainer(lambda layout: dm.describe(
+                                             dtype=dtype, sequence_parallel=sequence_parallel),
                                          ModelParallel(**options),
                                          copy_every=copy_every, clip_grad_norm=clip,
                                          autocast_dtype=autocast_dtype,

@@ -9,8 +9,9 @@ float64), whose model must be cut at least two ways. Nodes ``a`` and ``b`` start
   ``b`` the other replica of stage 1;
 - or, with tensor parallelism allowed, ``dp2 x tp2`` (3 + 1): ``a`` holds both shards of
   one replica and one of the other;
-- or ``fsdp2 x tp2`` (2 + 2, tensor parallelism required): each tensor shard sharded again
-  over the two data-parallel ranks, ``b`` holding the second FSDP piece of both.
+- or ``fsdp2 x tp2`` (2 + 2, tensor parallelism required) with the example's
+  sequence-parallel plans: each tensor shard sharded again over the two data-parallel ranks,
+  ``b`` holding the second FSDP piece of both, the activations cut along the sequence.
 
 ``b`` is SIGKILLed mid-run. In the first two cases ``a``'s workers hold every part at the
 last step and move the state by parameter name to ``pp3`` (tensor shards to pipeline stages
@@ -71,8 +72,8 @@ def _layouts(tmp: Path) -> list[str]:
 @pytest.mark.parametrize("flags, workers, first, after, grow", [
     pytest.param("--tp-options 1", (3, 1), "dp2xpp2xtp1", PP3, False, id="pp2"),
     pytest.param("--tp-options 1 2", (3, 1), "dp2xpp1xtp2", PP3, False, id="tp2"),
-    pytest.param("--tp-options 2 --max-shard 2", (2, 2), "fsdp2xtp2", "dp1xpp1xtp2", True,
-                 id="fsdp2xtp2-copies-then-growth"),
+    pytest.param("--tp-options 2 --max-shard 2 --sequence-parallel", (2, 2), "fsdp2xtp2",
+                 "dp1xpp1xtp2", True, id="fsdp2xtp2-sequence-parallel-copies-then-growth"),
     pytest.param(f"--tp-options 1 --max-pp 3 --max-shard 2 --min-cut 3 --every {EVERY}", (3, 1),
                  "pp2xfsdp2", PP3, False, id="pp2xfsdp2-unequal-nodes-copies-not-checkpoint"),
 ])

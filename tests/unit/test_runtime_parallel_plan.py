@@ -82,6 +82,9 @@ def test_a_description_names_its_parts_as_the_model_does() -> None:
     (lambda m: {"blocks": nn.ModuleList()}, "non-empty nn.ModuleList"),
     (lambda m: {"after": (m.head, m.layers[0])}, "in both"),
     (lambda m: {"block_tp_plan": {"up": ColwiseParallel()}}, "'up', which block 0 lacks"),
+    (lambda m: {"outer_tp_plan": {"layers.0": ColwiseParallel()}},
+     "'layers.0', which is no module of before= or after="),
+    (lambda m: {"outer_tp_plan": {"head.nothing": ColwiseParallel()}}, "'head.nothing', which"),
 ])
 def test_a_bad_description_is_one_config_error_line(change: Any, words: str) -> None:
     model = _model()

@@ -8,13 +8,21 @@ any cut of the blocks into pipeline stages holds every parameter once, under its
 ``pp2 x tp2`` cut load from a ``pp3`` one.
 
 The description is plain torch: ``model`` is an ordinary ``nn.Module`` that trains without
-the runtime, ``block_tp_plan`` is what ``parallelize_module`` takes for one block, ``loss``
-is a function of (output, target), ``optimizer`` makes the optimizer over the parameters a
-rank holds (the runtime builds it, after cutting and tensor-splitting).
+the runtime, ``block_tp_plan`` is what ``parallelize_module`` takes for one block and
+``outer_tp_plan`` what it takes for the modules before and after the blocks, ``loss`` is a
+function of (output, target), ``optimizer`` makes the optimizer over the parameters a rank
+holds (the runtime builds it, after cutting and tensor-splitting).
 
-Does not cover: plans for the modules before and after the blocks (they are replicated on
-the tensor-parallel ranks), sequence-sharded activations between stages, meta-device init
-(every rank builds the whole model, then keeps its cut).
+Sequence parallelism is a matter of the two plans, in torch's vocabulary: an embedding whose
+output is ``Shard(1)``, ``SequenceParallel()`` norms, block inputs gathered by
+``PrepareModuleInput`` or ``ColwiseParallel(input_layouts=Shard(1))``, block outputs
+reduce-scattered by ``RowwiseParallel(output_layouts=Shard(1))``, a head that gathers its
+input. Activations then pass between blocks, and between pipeline stages, as this rank's
+slice of the sequence (plain tensors); the sequence length must be a multiple of the ``tp``
+degrees the limits allow. Without an ``outer_tp_plan`` the modules before and after the
+blocks are replicated on the tensor-parallel ranks and so are the activations.
+
+Does not cover: meta-device init (every rank builds the whole model, then keeps its cut).
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ class ModelDescription:
 
     Invariant: ``blocks`` is a non-empty ``ModuleList`` of ``model``; ``before``, ``blocks``
     and ``after`` are submodules of ``model`` that together hold each of its parameters
-    once; every key of ``block_tp_plan`` names a submodule of every block.
+    once; every key of ``block_tp_plan`` names a submodule of every block, and every key of
+    ``outer_tp_plan`` a module of ``model`` in (or at) one of ``before`` and ``after``.
 
     Raises:
         ConfigError: from ``__post_init__``, when the invariant does not hold.
@@ -62,6 +71,11 @@ class ModelDescription:
     block_tp_plan: Mapping[str, ParallelStyle] | None = None
     """Per block, ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}``, as
     ``parallelize_module`` takes it; needed for ``tp > 1``."""
+    outer_tp_plan: Mapping[str, ParallelStyle] | None = None
+    """``{name in model: style}`` for modules in ``before`` and ``after`` (or inside them),
+    e.g. ``{"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "norm": SequenceParallel(), "head": ColwiseParallel(input_layouts=Shard(1),
+    output_layouts=Replicate())}``; applied with the block plan when ``tp > 1``."""
     names: dict[str, str] = field(init=False, repr=False, compare=False)
     """Each part's name in ``model``: ``before``/``after`` modules and the blocks' list."""
 
@@ -102,14 +116,19 @@ class ModelDescription:
                                   "List the module that holds it in before= or after=.")
 
     def _check_plan(self) -> None:
-        if self.block_tp_plan is None:
-            return
         for index, block in enumerate(self.blocks):
             modules = dict(block.named_modules())
-            for key in self.block_tp_plan:
+            for key in self.block_tp_plan or {}:
                 if key not in modules:
                     raise ConfigError(f"block_tp_plan names {key!r}, which block {index} lacks",
                                       "Key the plan by submodule names inside one block.")
+        outer = {self.names[role] for role, _ in self._parts() if role != "blocks"}
+        for key in self.outer_tp_plan or {}:
+            if not any(key == name or key.startswith(name + ".") for name in outer) \
+                    or key not in dict(self.model.named_modules()):
+                raise ConfigError(f"outer_tp_plan names {key!r}, which is no module of "
+                                  "before= or after=",
+                                  "Key it by names in model of those modules (e.g. 'embed').")
 
     def block_name(self, index: int) -> str:
         """The name of block ``index`` in ``model`` (e.g. ``layers.3``)."""

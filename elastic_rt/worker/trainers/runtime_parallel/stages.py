@@ -4,8 +4,9 @@ Rule: a stage is a :class:`StageModule` holding its parts of the described model
 names they have in the whole model (``layers.2.attn.wq.weight``, not ``0.attn...``), and the
 rank's stages together are one :class:`StageModule` too (``local``): its ``state_dict`` keys
 are the unsplit model's FQNs, which is what checkpoints and restores move. Blocks are split
-by the description's ``block_tp_plan`` on the round's tensor-parallel mesh, in place, before
-the optimizer is made over the result: DTensor parameters, sharded within the tp group.
+by the description's ``block_tp_plan``, and the modules before and after them this rank holds
+by its ``outer_tp_plan``, on the round's tensor-parallel mesh, in place, before the optimizer
+is made over the result: DTensor parameters, sharded (or replicated) within the tp group.
 
 The modules are taken from the model ``build`` made for this round; nothing is copied.
 """
@@ -95,7 +96,8 @@ def _stage_parts(description: ModelDescription, cuts: list[range],
 
 def split_tensors(description: ModelDescription, modules: RankModules,
                   tp_mesh: DeviceMesh | None) -> None:
-    """Apply the block plan to this rank's blocks on ``tp_mesh`` (None or size 1: nothing).
+    """Apply the block plan to this rank's blocks, and the outer plan to its modules before
+    and after them, on ``tp_mesh`` (None or size 1: nothing).
 
     Collective over the tp group (``parallelize_module`` takes rank 0's values of the mesh).
 
@@ -112,6 +114,10 @@ def split_tensors(description: ModelDescription, modules: RankModules,
     for block in description.blocks:
         if id(block) in held:
             parallelize_module(block, tp_mesh, dict(description.block_tp_plan))
+    for name, style in (description.outer_tp_plan or {}).items():
+        module = description.model.get_submodule(name)
+        if id(module) in held:
+            parallelize_module(module, tp_mesh, style)
 
 
 def local_params(modules: RankModules) -> list[nn.Parameter]:

@@ -68,7 +68,7 @@ from elastic_rt.worker.trainers.runtime_parallel.clipping import clip_grad_norm
 from elastic_rt.worker.trainers.runtime_parallel.copies import PartCopies, named_part
 from elastic_rt.worker.trainers.runtime_parallel.copy_sources import Choice, gather, pick_sources
 from elastic_rt.worker.trainers.runtime_parallel.description import ModelDescription
-from elastic_rt.worker.trainers.runtime_parallel.grads import sum_gradients
+from elastic_rt.worker.trainers.runtime_parallel.grads import settle_partial, sum_gradients
 from elastic_rt.worker.trainers.runtime_parallel.precision import autocast, fsdp_policy
 from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel, Pipeline
 from elastic_rt.worker.trainers.runtime_parallel.sharding import (
@@ -273,6 +273,7 @@ class RuntimeParallelTrainer:
                 self._backward_each(micro_batches, ctx.layout, device)
         loss_sum = self._loss_sum(ctx)
         if ctx.layout.shard == 1:  # else FSDP reduced them in backward
+            settle_partial(local_params(self.modules))
             sum_gradients(local_params(self.modules), ctx.groups.dp)
         if self.clip_grad_norm is not None:
             clip_grad_norm(local_params(self.modules), self.clip_grad_norm, ctx.layout,
