@@ -112,8 +112,9 @@ class StoreConnectionError(StoreError):
 
 
 class StoreElectingError(StoreConnectionError):
-    """The etcd member answered that its cluster has no leader (an election, or the member
-    is cut off from the others). Retryable: a leader is elected, and it renews every lease."""
+    """The etcd member answered that its cluster has no leader, or that its leader did not
+    answer in time (an election, or the member is cut off from the others). Retryable: a
+    leader is elected, and it renews every lease."""
 
 
 class StoreStateError(StoreError):

@@ -85,9 +85,31 @@ _REQUIRE_LEADER = ("hasleader", "true")
 """etcd's metadata for "answer at once if you have no leader" (clientv3.WithRequireLeader)."""
 _NO_LEADER = "no leader"
 """In the details of etcd's answer to a call that requires a leader, when there is none."""
+_LEADER_SILENT = "context deadline exceeded"
+"""etcd's own words (Go's) when the call's deadline passed inside the member, waiting on its
+leader; gRPC's client says "Deadline Exceeded" for a member that never answered."""
 
 MEMBER_BENCH_S = 2.0
 """Seconds an unreachable cluster member is skipped before it is tried again."""
+
+
+class _Members(etcd3.MultiEndpointEtcd3Client):
+    """The client over a cluster's members, which never runs out of members to ask.
+
+    The client benches a member that failed a call, so that the next goes to another;
+    when every member is benched (an election after the leader's restart fails calls on
+    all of them for a second or two) it fails every call with "No endpoint available"
+    until a bench ends, without asking anyone. Here the member benched longest ago is
+    asked instead: a lease renewed every tenth of a second while its fence nears must
+    reach the member that answers first.
+    """
+
+    @property
+    def channel(self) -> Any:
+        endpoints = list(self.endpoints.values())
+        if self.failover and all(e.is_failed() for e in endpoints):
+            min(endpoints, key=lambda e: e.last_failed).last_failed = 0
+        return super().channel
 
 
 class EtcdKV:
@@ -142,9 +164,7 @@ class EtcdKV:
                            opts=list(reconnect.items()))
             for host, _, port in (member.rpartition(":") for member in members)
         ]
-        self._client = etcd3.MultiEndpointEtcd3Client(
-            endpoints=nodes, timeout=timeout, failover=len(nodes) > 1
-        )
+        self._client = _Members(endpoints=nodes, timeout=timeout, failover=len(nodes) > 1)
         if self._needs_login:
             try:
                 self._login()
@@ -277,8 +297,11 @@ class EtcdKV:
     @_translated
     def refresh_lease(self, lease_id: int, *, timeout: float | None = None) -> bool:
         """Raises :class:`StoreElectingError` when the member has no leader: it says so at
-        once (etcd's ``hasleader`` requirement) instead of holding the call, and the
-        member is benched, so that the next call asks another."""
+        once (etcd's ``hasleader`` requirement) instead of holding the call; and when the
+        member took the call and its leader did not answer it in time (etcd's own
+        "context deadline exceeded", not the client's "Deadline Exceeded": the leader it
+        forwards renewals to is gone, and an election is coming). The member is benched,
+        so that the next call asks another."""
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
         metadata = (*(self._client.metadata or ()), _REQUIRE_LEADER)
 
@@ -288,12 +311,13 @@ class EtcdKV:
                     iter([request]), timeout or self._timeout,
                     credentials=self._client.call_credentials, metadata=metadata))
             except grpc.RpcError as exc:
-                if _NO_LEADER not in (exc.details() or ""):
+                details = exc.details() or ""
+                if _NO_LEADER not in details and _LEADER_SILENT not in details:
                     raise
                 with contextlib.suppress(etcd3.exceptions.Etcd3Exception, grpc.RpcError):
                     self._client._manage_grpc_errors(exc)  # benches the member
                 raise StoreElectingError(f"etcd member {self._client.endpoint_in_use.netloc} "
-                                         "has no leader") from exc
+                                         f"could not reach a leader ({details})") from exc
 
         responses = self._failing_over(renew)
         return bool(responses) and int(responses[0].TTL) > 0

@@ -26,6 +26,9 @@ from elastic_rt.rendezvous.rounds import NodeInfo
 
 logger = logging.getLogger(__name__)
 
+RETRY_S = 0.1
+"""Seconds between renewals after one failed, until one succeeds."""
+
 
 class LeaseKeeper:
     """Registers ``info`` under a lease of ``ttl`` and keeps it alive.
@@ -91,16 +94,21 @@ class LeaseKeeper:
 
         A renewal may take a sixth of the TTL: a member that takes the call and cannot
         answer (an etcd member restarting, not yet back in its cluster) fails it fast, the
-        client benches it, and the retry, at once, goes to another (soak finding 14: at the
-        client's default of 5 s, one hung renewal outlived a 3 s lease while the node
-        trained on). A member without a leader says so at once (an election after the
-        leader restarted: 1-2 s): no lease can expire then, and the next leader renews them
-        all, so that answer holds the fence off, by one TTL at most (a member cut off from
-        the others' majority says the same, and there the lease may run out).
+        client benches it, and the retry goes to another (soak finding 14: at the client's
+        default of 5 s, one hung renewal outlived a 3 s lease while the node trained on).
+        After a failure the renewals come every ``RETRY_S`` until one succeeds: the
+        member that answers first after an election (or a restart of the one in use) is
+        found within that, not a quarter of the TTL later (two back-to-back restarts of
+        the leader fenced a node whose third try came after its fence). A member without a
+        leader says so at once, and one whose leader is gone says its own deadline passed
+        (``StoreElectingError``, an election after the leader restarted): no lease can
+        expire without a leader, and the next leader renews them all, so that answer holds
+        the fence off, by one TTL at most (a member cut off from the others' majority says
+        the same, and there the lease may run out).
         """
         interval = max(0.2, self.ttl / 4)
         call_timeout = max(0.3, self.ttl / 6)
-        wait, retried = interval, False
+        wait = interval
         electing_since: float | None = None
         while not self._stop.wait(wait):
             wait = interval
@@ -111,15 +119,14 @@ class LeaseKeeper:
                     continue
                 assert self.lease_id is not None
                 if self.registry.kv.refresh_lease(self.lease_id, timeout=call_timeout):
-                    self._last_renewed, retried, electing_since = time.monotonic(), False, None
+                    self._last_renewed, electing_since = time.monotonic(), None
                 else:
                     self._fence("lease expired")
             except (StoreError, CredentialsError) as exc:
                 # Refused credentials (a revoked role) fence like a lost connection.
                 logger.debug("lease renewal failed: %s", exc)
                 now = time.monotonic()
-                if not retried:  # once: to the next member, at once
-                    wait, retried = min(interval, 0.05), True
+                wait = min(interval, RETRY_S)  # to the next member, soon
                 self.failed_at = now
                 if isinstance(exc, StoreElectingError):
                     electing_since = electing_since or now

@@ -13,7 +13,7 @@ import pytest
 from elastic_rt.errors import StoreConnectionError, StoreElectingError, StoreError
 from elastic_rt.harness import wait_until
 from elastic_rt.harness.waits import WaitTimeout
-from elastic_rt.rendezvous.lease import LeaseKeeper
+from elastic_rt.rendezvous.lease import RETRY_S, LeaseKeeper
 from elastic_rt.rendezvous.rounds import NodeInfo
 
 
@@ -73,3 +73,31 @@ def test_a_store_without_a_leader_holds_the_fence_off_for_one_ttl_at_most() -> N
         assert fenced[0][0] - began < 1.5 + 1.5  # the hold-off is one TTL at most
     finally:
         keeper.stop(revoke=False)
+
+
+def test_after_a_failed_renewal_the_next_ones_come_soon_not_a_quarter_ttl_later() -> None:
+    # A 1.5 s lease renews every 0.375 s; once one fails, every RETRY_S until the fence
+    # (two leader restarts back to back left a 3 s lease's keeper three tries in its 2 s)
+    keeper, store, fenced, began = _failing_keeper(StoreConnectionError)
+    try:
+        wait_until(lambda: fenced or None, 5, "the fence")
+        tries = len(store.timeouts) - 1  # the first renewal succeeded
+        assert tries >= 0.5 / RETRY_S, tries  # 1.0 s to the fence, less the calls' time
+    finally:
+        keeper.stop(revoke=False)
+
+
+def test_a_client_whose_members_are_all_benched_asks_the_one_benched_longest_ago() -> None:
+    # etcd3's client would fail every call with "No endpoint available" until a bench ends
+    from elastic_rt.rendezvous.etcd_kv import EtcdKV
+
+    kv = EtcdKV("127.0.0.1:1,127.0.0.1:2")  # channels connect lazily: no server needed
+    try:
+        first, second = kv._client.endpoints.values()
+        second.fail()
+        first.fail()
+        first.last_failed = second.last_failed + 1.0  # benched after the second
+        assert kv._client.channel is second.channel
+        assert not second.is_failed() and first.is_failed()
+    finally:
+        kv.close()
