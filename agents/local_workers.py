@@ -41,7 +41,8 @@ class LocalWorkers:
         )
         rdzv = config.rendezvous
         self._shared = WorkerEnv(
-            node_id=config.node_id, run_id=rdzv.run_id, endpoint=rdzv.endpoint,
+            node_id=config.node_id, node_host=config.host, run_id=rdzv.run_id,
+            endpoint=rdzv.endpoint,
             agent_dir=self.agent_dir, events_file=config.events_file, lease_ttl=rdzv.lease_ttl,
             auth=rdzv.auth, max_restarts=config.max_restarts, hang_factor=config.hang_factor,
             max_nodes=rdzv.max_nodes,

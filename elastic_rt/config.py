@@ -38,6 +38,11 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # Our extras.
 ENDPOINT_ENV = "ELASTIC_RT_ENDPOINT"
 NODE_ID_ENV = "ELASTIC_RT_NODE_ID"
+NODE_HOST_ENV = "ELASTIC_RT_NODE_HOST"
+STREAM_OVER_TCP_ENV = "ELASTIC_RT_STREAM_OVER_TCP"
+"""``0``: a join's state stream goes through the process group's backend, not over TCP
+connections of its own (``worker/trainers/tcp_stream.py``; e.g. where only known ports
+are open between nodes)."""
 ROUND_ENV = "ELASTIC_RT_ROUND"
 TOKEN_ENV = "ELASTIC_RT_TOKEN"
 EVENTS_FILE_ENV = "ELASTIC_RT_EVENTS_FILE"
@@ -325,6 +330,9 @@ class WorkerEnv:
     nodes lost or joining do not count). Job-wide, like ``max_restarts``."""
     max_restarts: int = 0
     node_id: str = ""
+    node_host: str = ""
+    """The address other nodes reach this node's workers at (the agent's); empty outside
+    ``elastic-rt launch``."""
     run_id: str = ""
     round: int = 0
     token: int = 0
@@ -373,6 +381,7 @@ class WorkerEnv:
             restart_count=_env_int(env, RESTART_COUNT_ENV, 0),
             max_restarts=_env_int(env, MAX_RESTARTS_ENV, 0),
             node_id=env.get(NODE_ID_ENV, ""),
+            node_host=env.get(NODE_HOST_ENV, ""),
             run_id=env.get(RUN_ID_ENV, ""),
             round=_env_int(env, ROUND_ENV, 0),
             token=_env_int(env, TOKEN_ENV, 0),
@@ -394,6 +403,7 @@ class WorkerEnv:
             RESTART_COUNT_ENV: str(self.restart_count),
             MAX_RESTARTS_ENV: str(self.max_restarts),
             NODE_ID_ENV: self.node_id,
+            NODE_HOST_ENV: self.node_host,
             RUN_ID_ENV: self.run_id,
             ROUND_ENV: str(self.round),
             ENDPOINT_ENV: self.endpoint,

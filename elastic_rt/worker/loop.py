@@ -230,6 +230,7 @@ class _ElasticLoop:
         """Data-parallel ranks training no samples this step: their state is still landing."""
         self._restored_at = 0.0  # for state.landed: when the restore ended, what it moved
         self._streamed_bytes: int | None = None
+        self._stream_seconds: Callable[[], float | None] | None = None
         self.clock = StepClock()
         self.heap = None if options.is_sharded else HeapTrimmer()
         self.watchdog = HangWatchdog(self.clock, self.env.hang_factor, self._report_stall)
@@ -343,8 +344,10 @@ class _ElasticLoop:
             self.progress.failed_attempts = 0
             self.clock.completed(time.monotonic())
             if self.sitting_out:  # their state has landed: the whole world trains from now
+                wire = self._stream_seconds() if self._stream_seconds else None
                 self._phase("state.landed", self._restored_at, sitting_out=list(self.sitting_out),
-                            bytes_moved=self._streamed_bytes)
+                            bytes_moved=self._streamed_bytes,
+                            **({} if wire is None else {"stream_ms": round(wire * 1000)}))
                 self.sitting_out = ()
                 self.resplit(joined)
             # Summed only now: the update is applied, so a peer lost during this sum must
@@ -401,6 +404,7 @@ class _ElasticLoop:
                                                   run_reached=self._published_step))
         self.sitting_out = restored.sitting_out
         self._restored_at, self._streamed_bytes = time.monotonic(), restored.bytes_moved
+        self._stream_seconds = restored.stream_seconds
         streaming: dict[str, Any] = {"sitting_out": list(restored.sitting_out)}
         # the RSS growth covers the restore itself; a stream's bytes land later, in a step
         self._phase("state.restored", began, source=restored.source,

@@ -95,8 +95,9 @@ its own cores and the step does not change with the world size, so for a join th
 after is the fair baseline. In-process trials also show the most any survivor's RSS rose
 above its start during its restore (``rss_growth_bytes``: the kernel's peak RSS, reset as
 the restore begins). Join trials also show the newcomer's stream: the bytes it received over
-the time from the end of its restore to its state landing (the step it sat out, which the
-stream overlaps, done), against one TCP connection over loopback measured at the start.
+the stream's own time, from its start at the end of the restore to its last byte (``stream_ms``
+of ``state.landed``; where a run does not report it, to the state landing, the step it sat
+out done), against one TCP connection over loopback measured at the start.
 
 Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
       python scripts/bench/recovery.py --cases inproc-kill inproc-join --state-mb 1200
@@ -395,7 +396,8 @@ class Job:
             return None
         landed = [e.metadata for e in read_events(str(self.events))
                   if e.name == "state.landed" and e.round == round_ and e.node == VICTIM]
-        rates = [m["bytes_moved"] / (m["duration_ms"] / 1000) for m in landed
+        rates = [m["bytes_moved"] / (m.get("stream_ms") or m["duration_ms"]) * 1000
+                 for m in landed
                  if isinstance(m.get("bytes_moved"), int) and m.get("duration_ms")]
         return min(rates, default=None)
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_rt.config import STREAM_OVER_TCP_ENV
 from elastic_rt.errors import RoundAbandoned
 from elastic_rt.harness import wait_until
 from elastic_rt.layout import Layout
@@ -40,6 +41,7 @@ from elastic_rt.worker.abort import round_notice
 from elastic_rt.worker.trainers.replica_state import named_tensors
 from elastic_rt.worker.trainers.replica_transfer import WINDOW, Agreement, Stream
 from elastic_rt.worker.trainers.replicated import ReplicatedTrainer
+from elastic_rt.worker.trainers.tcp_stream import open_links
 from tests.fixtures.meta_paths import TIMEOUT, _context
 from tests.fixtures.torchdist import (
     NOTICE_AFTER_S,
@@ -280,7 +282,10 @@ def _late_bytes(env: WorkerEnv) -> dict[str, Any]:
     """Rank 1 receives a stream from rank 0 that stalls (a holder cut off from the network)
     until a newer round without rank 0 abandons it; rank 1 gives it up and fills its tensor
     as the next round's restore would. Only then do rank 0's sends of the old round go out,
-    as a cut-off holder's do when the cut heals: they must not land in rank 1's state."""
+    as a cut-off holder's do when the cut heals: they must not land in rank 1's state.
+    Through gloo (``ELASTIC_RT_STREAM_OVER_TCP=0``, the path of device tensors): a stream
+    over TCP shuts its sockets when given up (``tests/unit/test_tcp_stream.py``)."""
+    os.environ[STREAM_OVER_TCP_ENV] = "0"
     notice = round_notice()
     notice.train_in(loopback_round(0, "a", "b"))
     groups = init_groups(env.store, rank=env.rank, world_size=2, layout=Layout(dp=2),
@@ -288,6 +293,8 @@ def _late_bytes(env: WorkerEnv) -> dict[str, Any]:
     state = torch.full((LATE_CHUNKS * 256,), 1.0 if env.rank == 0 else 0.0)
     agreement = Agreement(step=3, holders=(0,), receivers=(1,))
     if env.rank == 0:
+        # the stream's one collective, which the environment above turns from sockets
+        assert open_links(host_only=True, is_holder=True, group=groups.world) is None
         env.store.wait(["given-up"])
         pieces = state.view(torch.uint8).split(1024)
         for tag in range(WINDOW + 1):  # what the receiver posted before its first wait

@@ -26,7 +26,8 @@ from elastic_rt.errors import ConfigError
 from elastic_rt.rendezvous.rounds import Round
 
 NODE = WorkerEnv(
-    node_id="b", run_id="llm7b", endpoint="127.0.0.1:2379", agent_dir="/tmp/agent-b",
+    node_id="b", node_host="10.0.0.2", run_id="llm7b", endpoint="127.0.0.1:2379",
+    agent_dir="/tmp/agent-b",
     events_file="/tmp/events.jsonl", lease_ttl=timedelta(seconds=2.5), max_restarts=3,
     auth=EtcdAuth(cacert="/ca.pem", user="u", password="p"),
 )  # fmt: skip
@@ -50,6 +51,7 @@ def test_round_envs_give_torchrun_placement_for_each_local_worker() -> None:
     assert variables["TORCHELASTIC_RESTART_COUNT"] == "2"
     assert variables["TORCHELASTIC_MAX_RESTARTS"] == "3"
     assert variables[LEASE_TTL_ENV] == "2.5"
+    assert variables["ELASTIC_RT_NODE_HOST"] == "10.0.0.2"  # where its state stream listens
 
 
 def test_standby_workers_have_no_rank_until_a_round_admits_them() -> None:

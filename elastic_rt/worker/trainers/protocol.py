@@ -101,6 +101,9 @@ class Restored:
     """Data-parallel ranks whose state is still arriving: they train no samples in the next
     step (the others split its global batch) and take its averaged gradients, so all hold
     the same state after it (a join streamed while the holders train)."""
+    stream_seconds: Callable[[], float | None] | None = None
+    """Once the state has landed: how long its stream took from its start to the last byte
+    (the transfer's own speed; the landing also waits for the step it hides in)."""
 
 
 class Trainer(Protocol):

@@ -9,7 +9,8 @@ by bytes::
     no receivers               -> nothing moves: 0 bytes (a node kill in data parallelism)
     else transfer(tensors)     -> each chunk from the least-loaded holder to every receiver,
                                   into the receiver's own tensors; Stream runs it beside
-                                  training
+                                  training, over TCP connections of its own for host
+                                  tensors (``tcp_stream.py``), else the group's backend
 
 After a node kill every survivor finished the same last step (a step completes only once
 its gradient all-reduce has seen every rank's share), so all are holders and the restore
@@ -54,6 +55,7 @@ import xxhash
 from torch.futures import Future
 
 from elastic_rt.worker import abort
+from elastic_rt.worker.trainers.tcp_stream import Links, open_links
 
 CHUNK_BYTES = 64 << 20
 """The most bytes one message carries: large enough for wire speed, small enough to
@@ -176,7 +178,9 @@ class Stream:
     A join streams the holders' state to a newcomer while the holders train the next step:
     the holders' forward and backward only read the tensors being sent, and the step calls
     :meth:`finish` before its update writes them (``replicated.py``). The posting runs in a
-    thread of its own; its waits go through the abort notice like every other wait.
+    thread of its own; its waits go through the abort notice like every other wait. Host
+    tensors go over the stream's own TCP connections (``tcp_stream.open_links``, one small
+    all-gather here: collective over ``group``), the rest through the group's backend.
 
     Args:
         tensors, agreement, group, chunk_bytes: as for :func:`transfer`.
@@ -187,9 +191,14 @@ class Stream:
         me = dist.get_rank(group)
         self.bytes = planned_bytes([t.numel() * t.element_size() for t in tensors], agreement,
                                    me, chunk_bytes=chunk_bytes)
+        self._links = open_links(host_only=all(t.device.type == "cpu" for t in tensors),
+                                 is_holder=me in agreement.holders, group=group)
         self.began = time.monotonic()
         self.seconds: float | None = None
         """How long the transfer took, once :meth:`finish` returned."""
+        self.wire_seconds: float | None = None
+        """From the start to the last byte sent or received (set by the stream's thread):
+        the stream's own speed, where :attr:`seconds` also holds the training it hid in."""
         self._done: Future[int] = Future()
         self._wires = _Wires(tensors, me in agreement.receivers)
         self._thread = threading.Thread(
@@ -199,8 +208,11 @@ class Stream:
 
     def give_up(self) -> None:
         """The stream broke off (its round is gone): it posts nothing more, and a receiver's
-        receives still open can no longer write the state (:meth:`_Wires.give_up`). Call it
-        before the tensors are used again, e.g. by the next round's restore."""
+        receives still open can no longer write the state (:meth:`_Wires.give_up`; over
+        TCP its sockets are shut and its threads joined). Call it before the tensors are
+        used again, e.g. by the next round's restore."""
+        if self._links is not None:
+            self._links.close()
         self._wires.give_up()
 
     def finish(self) -> int:
@@ -217,9 +229,17 @@ class Stream:
 
     def _run(self, agreement: Agreement, group: dist.ProcessGroup, chunk_bytes: int) -> None:
         try:
-            self._done.set_result(_transfer(self._wires, agreement, group, chunk_bytes))
+            if self._links is None:
+                moved = _transfer(self._wires, agreement, group, chunk_bytes)
+            else:
+                moved = _transfer_tcp(self._links, self._wires, agreement, chunk_bytes)
+            self.wire_seconds = time.monotonic() - self.began
+            self._done.set_result(moved)
         except Exception as exc:  # a thread boundary: finish() raises it
             self._done.set_exception(exc)  # type: ignore[arg-type]  # torch types it as T
+        finally:
+            if self._links is not None:
+                self._links.close()
 
 
 def transfer(tensors: list[torch.Tensor], agreement: Agreement, group: dist.ProcessGroup, *,
@@ -240,6 +260,19 @@ def transfer(tensors: list[torch.Tensor], agreement: Agreement, group: dist.Proc
     except BaseException:
         wires.give_up()
         raise
+
+
+def _transfer_tcp(links: Links, wires: _Wires, agreement: Agreement, chunk_bytes: int) -> int:
+    """:func:`_transfer` over the stream's own sockets (``tcp_stream.py``)."""
+    if not (wires.is_receiver or links.me in agreement.holders):
+        return 0
+
+    def bytes_of(index: int) -> torch.Tensor:
+        with wires.posting(index) as piece_of:
+            return piece_of
+    pieces = chunks(wires.sizes, chunk_bytes)
+    return links.transfer(pieces, senders(pieces, agreement.holders), agreement.receivers,
+                          bytes_of, wires.on_received)
 
 
 def _transfer(wires: _Wires, agreement: Agreement, group: dist.ProcessGroup,
