@@ -43,7 +43,12 @@ bench's workers run two threads each). With one thread per worker the streamed s
 transfer itself hides in the step when the CPU is not oversubscribed. Since the stream went
 over TCP connections of its own (``tcp_stream.py``) the same bench's stream takes 0.5-0.6 s
 from its start to its last byte (1.87-2.29 GB/s; 1.16-1.90 GB/s through gloo in the same
-session); the members' longest gap is still 4.6-5.0 s, of which the re-form is 1.9-2.7 s.
+session). The members' longest gap was 4.6-5.0 s there, of which 2.3-2.4 s was the re-form
+waiting for the step-40 checkpoint still being written (``release_ms``: the loop lets a save
+in flight finish before the round's groups go, since they are torch's default group and
+the save's side group hangs off it); with no save in flight (``--ckpt-every 1000``) the
+re-form takes 0.04-0.29 s and the gap is 3.1-3.4 s: 1.6 s beyond a normal step (1.6 s),
+0.7 s beyond the step after the join (2.5 s, three workers on two cores).
 """
 
 from __future__ import annotations
