@@ -115,6 +115,11 @@ class BackgroundWriter:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._pending = self._executor.submit(job)
 
+    @property
+    def is_busy(self) -> bool:
+        """Whether a write is still running (not yet collected is not busy once done)."""
+        return self._pending is not None and not self._pending.done()
+
     def wait(self) -> object | None:
         """Block until the write in flight ends; return its result or raise its error."""
         pending, self._pending = self._pending, None

@@ -209,6 +209,11 @@ class Checkpointer:
         else:
             self._unclaimed = job()
 
+    @property
+    def is_writing(self) -> bool:
+        """Whether an async save is still being written (its collectives still to come)."""
+        return self._writer.is_busy
+
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight is committed; return it.
 

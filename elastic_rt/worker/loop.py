@@ -231,6 +231,10 @@ class _ElasticLoop:
         self._restored_at = 0.0  # for state.landed: when the restore ended, what it moved
         self._streamed_bytes: int | None = None
         self._stream_seconds: Callable[[], float | None] | None = None
+        self._save_began: float | None = None
+        """When the last save began (monotonic)."""
+        self._growth_waits = 0
+        """Boundaries the ranks have trained past a newer round, waiting for a save."""
         self.clock = StepClock()
         self.heap = None if options.is_sharded else HeapTrimmer()
         self.watchdog = HangWatchdog(self.clock, self.env.hang_factor, self._report_stall)
@@ -336,7 +340,7 @@ class _ElasticLoop:
             # a restore may leave it dirty: a receiver whose streamed state lands in this step
             self.progress.is_dirty = self.progress.is_dirty or not self.trainer.is_step_atomic()
             joined.at_step(self.progress.step + 1)
-            self.vote.begin(joined.groups.world, newer_round=newer)
+            self.vote.begin(joined.groups.world, newer_round=newer, saving=self._saving())
             local_loss, contribution = self.train_step(joined)
             self.sampler.advance()
             self.progress.step += 1
@@ -360,9 +364,33 @@ class _ElasticLoop:
             if stop & Stop.LEAVE:
                 self.leave_together(joined)
             if stop & Stop.NEWER_ROUND:
-                raise NewerRound()
+                self._join_newer_unless_saving(stop)
             if self.balancer.record(self._step_samples, self._busy_since(began, waited)):
                 self._rebalance(joined)
+
+    def _saving(self) -> bool:
+        """This rank's ``SAVING`` flag: its save is still being written, and began less than
+        a quarter of the re-form timeout ago (a newcomer waits for the members in the newer
+        round's rendezvous meanwhile; a save that outlasts that is waited for, as before)."""
+        return (self.checkpoint is not None and self._save_began is not None
+                and self.checkpoint.is_writing and time.monotonic() - self._save_began
+                < self.options.reform_timeout.total_seconds() / 4)
+
+    def _join_newer_unless_saving(self, stop: Stop) -> None:
+        """Join the newer round every rank voted for (:class:`NewerRound`), unless a save
+        is being written on this round's groups: then train on and ask again next step.
+
+        Every rank decides alike: ``SAVING`` is the vote's; a save begun at this very
+        boundary (after the vote was sent) is one every rank began, the step's, and holds
+        the first boundary of the wait only, so that saves every step cannot hold it.
+        """
+        begun_now = (self._growth_waits == 0 and self.checkpoint is not None
+                     and self.checkpoint.async_save
+                     and self.checkpoint.should_save(self.progress.step))
+        if not (stop & Stop.SAVING or begun_now):
+            self._growth_waits = 0
+            raise NewerRound()
+        self._growth_waits += 1
 
     def _busy_since(self, began: float, waited: float) -> float | None:
         """This step's wall time less its waits on peers (the straggler's measure); None
@@ -543,6 +571,7 @@ class _ElasticLoop:
             self.on_step(StepReport(step=step, loss=global_loss, local_loss=loss,
                                     world_size=ctx.world_size, round=ctx.round))
         if self.checkpoint is not None and self.checkpoint.should_save(step):
+            self._save_began = time.monotonic()
             try:
                 self.checkpoint.save(
                     step, self.trainer.checkpoint_state(), layout=ctx.layout.to_dict(),

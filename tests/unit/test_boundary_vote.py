@@ -1,13 +1,20 @@
 """The boundary vote over a real gloo group: every rank learns at the same step boundary that
 one node leaves, or that a newer round is there, whichever rank saw it, and whenever
-during the step it came."""
+during the step it came; and that a save still being written on some rank holds a growth
+(the loop's decision on the vote's outcome, tested as a unit)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_rt.errors import NewerRound
 from elastic_rt.worker.boundary_vote import BoundaryVote, Stop
+from elastic_rt.worker.loop import _ElasticLoop
 from tests.fixtures.torchdist import WorkerEnv, run_workers
 
 NOTE_AT = 3
@@ -46,3 +53,54 @@ def test_alone_the_note_decides_and_nothing_is_sent() -> None:
     vote.begin(None, newer_round=True)
     assert vote.outcome() == Stop.LEAVE | Stop.NEWER_ROUND
     assert vote.is_mine and vote.source == "file:/run/preempted"
+
+
+def _saving_vote(env: WorkerEnv) -> list[int]:
+    """Rank 1 alone is still writing a save at steps 2-3; rank 0 sees a newer round from 2."""
+    dist.init_process_group("gloo", store=env.store, rank=env.rank, world_size=env.nprocs)
+    vote = BoundaryVote(lambda: None)
+    decided = []
+    for step in range(1, 5):
+        vote.begin(dist.group.WORLD,  # type: ignore[arg-type]
+                   newer_round=env.rank == 0 and step >= 2, saving=env.rank == 1 and step in (2, 3))
+        decided.append(int(vote.outcome()))
+    dist.destroy_process_group()
+    return decided
+
+
+def test_one_ranks_save_in_flight_holds_every_rank_at_the_same_boundaries() -> None:
+    newer, saving = int(Stop.NEWER_ROUND), int(Stop.NEWER_ROUND | Stop.SAVING)
+    assert run_workers(_saving_vote, 2) == [[0, saving, saving, newer]] * 2
+
+
+class _Checkpoint:
+    async_save = True
+
+    def __init__(self, every: int, writing: bool) -> None:
+        self.every, self.is_writing = every, writing
+
+    def should_save(self, step: int) -> bool:
+        return step % self.every == 0
+
+
+def _deciding(step: int, checkpoint: _Checkpoint | None) -> Any:
+    return SimpleNamespace(progress=SimpleNamespace(step=step), checkpoint=checkpoint,
+                           _growth_waits=0)
+
+
+def test_a_growth_waits_for_a_save_then_joins_and_saves_every_step_cannot_hold_it() -> None:
+    join = _ElasticLoop._join_newer_unless_saving
+    loop = _deciding(40, _Checkpoint(every=10, writing=True))
+    join(loop, Stop.NEWER_ROUND)  # the step-40 save began at this boundary: train on
+    join(loop, Stop.NEWER_ROUND | Stop.SAVING)  # some rank still writes it
+    assert loop._growth_waits == 2
+    loop.progress.step = 42
+    with pytest.raises(NewerRound):  # written everywhere
+        join(loop, Stop.NEWER_ROUND)
+    every_step = _deciding(7, _Checkpoint(every=1, writing=True))
+    join(every_step, Stop.NEWER_ROUND)  # the first boundary only
+    every_step.progress.step = 8
+    with pytest.raises(NewerRound):
+        join(every_step, Stop.NEWER_ROUND)
+    with pytest.raises(NewerRound):  # no checkpoint: at once
+        join(_deciding(3, None), Stop.NEWER_ROUND)

@@ -48,7 +48,12 @@ waiting for the step-40 checkpoint still being written (``release_ms``: the loop
 in flight finish before the round's groups go, since they are torch's default group and
 the save's side group hangs off it); with no save in flight (``--ckpt-every 1000``) the
 re-form takes 0.04-0.29 s and the gap is 3.1-3.4 s: 1.6 s beyond a normal step (1.6 s),
-0.7 s beyond the step after the join (2.5 s, three workers on two cores).
+0.7 s beyond the step after the join (2.5 s, three workers on two cores). Since a save
+being written holds a growth's re-form (the members train on, ``boundary_vote.Stop.SAVING``),
+the same run with its checkpoint every 10 steps re-forms in 32-49 ms three steps later, and
+the members' gap at the join is 2.4 s (+0.7-0.8 s beyond a normal step); the longest gaps of
+the run are now earlier, while the newcomer builds its 1.2 GB model on the same two cores
+(3.0-4.7 s) and while the save is written.
 """
 
 from __future__ import annotations
