@@ -117,7 +117,7 @@ class BackgroundWriter:
 
     @property
     def is_busy(self) -> bool:
-        """Whether a write is still running (not yet collected is not busy once done)."""
+        """Whether a write is still running (a finished one not yet collected is not)."""
         return self._pending is not None and not self._pending.done()
 
     def wait(self) -> object | None:

@@ -54,7 +54,7 @@ def test_a_holders_pieces_land_in_the_receivers_tensors_and_a_stranger_is_droppe
     # another stream's receiver (a wrong nonce) comes first: the holder waits for its own
     port = holder.listener.getsockname()[1]  # type: ignore[union-attr]
     with socket.create_connection(("127.0.0.1", port)) as stranger:
-        stranger.sendall(_HEADER.pack(NONCE + 1, 1))
+        stranger.sendall(_HEADER.pack(NONCE + 1))
         stranger.settimeout(10)
         assert stranger.recv(1) == b""  # dropped
     receiving, received = _in_thread(_transfer(receiver, got, 512))

@@ -40,20 +40,12 @@ is the step the state lands in: on two cores shared by three workers the 1.2 GB 
 (3.9 s, 390,000 page faults) take the CPU the holders' all-reduce and update need (the
 bench's workers run two threads each). With one thread per worker the streamed step took
 1.7-1.9 s against a normal step's 2.2-2.4 s (3 ranks in one test pool, no agents): the
-transfer itself hides in the step when the CPU is not oversubscribed. Since the stream went
-over TCP connections of its own (``tcp_stream.py``) the same bench's stream takes 0.5-0.6 s
-from its start to its last byte (1.87-2.29 GB/s; 1.16-1.90 GB/s through gloo in the same
-session). The members' longest gap was 4.6-5.0 s there, of which 2.3-2.4 s was the re-form
-waiting for the step-40 checkpoint still being written (``release_ms``: the loop lets a save
-in flight finish before the round's groups go, since they are torch's default group and
-the save's side group hangs off it); with no save in flight (``--ckpt-every 1000``) the
-re-form takes 0.04-0.29 s and the gap is 3.1-3.4 s: 1.6 s beyond a normal step (1.6 s),
-0.7 s beyond the step after the join (2.5 s, three workers on two cores). Since a save
-being written holds a growth's re-form (the members train on, ``boundary_vote.Stop.SAVING``),
-the same run with its checkpoint every 10 steps re-forms in 32-49 ms three steps later, and
-the members' gap at the join is 2.4 s (+0.7-0.8 s beyond a normal step); the longest gaps of
-the run are now earlier, while the newcomer builds its 1.2 GB model on the same two cores
-(3.0-4.7 s) and while the save is written.
+transfer itself hides in the step when the CPU is not oversubscribed. Over TCP connections
+of its own (``tcp_stream.py``) the same bench's stream takes 0.5-0.6 s from its start to its
+last byte (1.87-2.29 GB/s; 1.16-1.90 GB/s through gloo). A growth no longer waits for a
+checkpoint save being written (``boundary_vote.Stop.SAVING``: the members train on; with a
+save every 10 steps the re-form took 1.9-2.7 s before, 32-49 ms after), and the members' gap
+at the join is 2.4 s, +0.7-0.8 s beyond a normal step.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Rules:
 - Addresses: each holder listens on an ephemeral port of its node's address (its agent's,
   else the one its gloo uses: :func:`own_address`), and one all-gather of the group
   tells every rank every holder's address, port and a random nonce. A receiver opens with
-  the nonce and its rank: a connection from another stream, or a stranger, is dropped.
+  the nonce: a connection from another stream, or a stranger, is dropped.
 - Giving up (the round is gone) shuts every socket down and joins every thread, so no
   byte lands in a tensor once :meth:`Links.close` has returned: the next round's restore
   owns the memory (gloo's receives could still land; ``replica_transfer._Wires``).
@@ -48,8 +48,8 @@ CONNECT_S = 10.0
 """Seconds a receiver tries to reach a holder (it listens before the addresses go out)."""
 _ATTEMPT_S = 0.5
 """One connection attempt: what a close waits at most for a receiver still connecting."""
-_HEADER = struct.Struct("<qq")
-"""A receiver's first bytes: the holder's nonce, the receiver's rank."""
+_HEADER = struct.Struct("<q")
+"""A receiver's first bytes: the holder's nonce."""
 
 Piece = tuple[int, int, int]
 """(tensor index, first byte, end byte), as ``replica_transfer.chunks`` makes them."""
@@ -160,7 +160,7 @@ class Links:
             conn = self._track(conn)
             conn.settimeout(CONNECT_S)
             try:
-                nonce, _rank = _HEADER.unpack(_read_exactly(conn, _HEADER.size))
+                (nonce,) = _HEADER.unpack(_read_exactly(conn, _HEADER.size))
             except (OSError, RuntimeError):
                 conn.close()
                 continue
@@ -208,7 +208,7 @@ class Links:
         host, port, nonce = self.holders[holder]
         conn = self._connect(holder, host, port)
         try:
-            conn.sendall(_HEADER.pack(nonce, self.me))
+            conn.sendall(_HEADER.pack(nonce))
             for index, start, end in pieces:
                 view = bytes_of(index)[start:end].numpy().data
                 while view:
