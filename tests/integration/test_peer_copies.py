@@ -9,7 +9,9 @@ holder is busy elsewhere (the holder's receive waits for it all round): rank 0's
 open, nothing fails) while rank 0's send is in flight: the next refresh must end on the
 round's notice, not the groups' 10-minute timeout, with the state untouched; the snapshots
 and copies so far stay, and the copy group is abandoned (torch's registry forgets it, so
-destroying the round's groups does not wait on the blocked send).
+destroying the round's groups does not wait on the blocked send); the closed copies list
+no buffer of their own, though the blocked send keeps them alive (at 1.2 GB of FSDP state
+they held 1.6 GB per rank through the restore that followed).
 
 On nodes of unequal sizes (ranks 0 and 1 on one node, rank 2 on another) the placement has
 rank 2 hold two copies: each rank's piece is sent once, and rank 2 gets both.
@@ -119,12 +121,13 @@ def _copy_then_hang(env: WorkerEnv) -> dict[str, object]:
         outcome = "abandoned"
     waited = time.monotonic() - began
     kept = copies.close()
+    left_bytes = copies.host_bytes()  # the send blocked on the hung peer keeps the object
     registered = group in dist.distributed_c10d._world.pg_map
     abandon_groups(groups)
     os.kill(int(env.store.get("hung-pid")), signal.SIGKILL)  # its agent would stop it
     return {**seen, "before_peer": before_peer, "while_hung": while_hung, "outcome": outcome,
             "waited": waited, "kept": sorted((s.index, s.step) for s in kept),
-            "registered": registered}
+            "registered": registered, "left_bytes": left_bytes}
 
 
 def test_copies_land_while_the_holder_is_busy_and_a_hung_peer_holds_no_step() -> None:
@@ -142,6 +145,7 @@ def test_copies_land_while_the_holder_is_busy_and_a_hung_peer_holds_no_step() ->
     assert survivor["waited"] < NOTICE_AFTER_S + 5  # not the 10-minute timeout
     assert survivor["kept"] == [(0, 1), (0, 2), (1, 0), (1, 1)]
     assert not survivor["registered"]  # abandoned: destroying the round's groups skips it
+    assert survivor["left_bytes"] == 0  # handed over: no buffer outlives them with the send
 
 
 def _copy_on_unequal_nodes(env: WorkerEnv) -> dict[str, object]:

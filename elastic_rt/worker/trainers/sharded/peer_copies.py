@@ -40,7 +40,9 @@ same :class:`PeerCopies` (``runtime_parallel/copies.py``): a piece is any nest o
 
 Memory per rank: two send buffers (its own newest snapshot and the one before) and two of
 each copy it holds (and a third while one arrives): four pieces, ``4 / N`` of the state on
-each of N ranks, on equal nodes; a rank holding ``k`` copies keeps ``2 + 2k``.
+each of N ranks, on equal nodes; a rank holding ``k`` copies keeps ``2 + 2k``. After a node
+loss a send or receive blocked on the dead peer keeps the one buffer it was moving until
+gloo gives up (the collective timeout); :meth:`PeerCopies.close` lets go of the rest.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class PeerCopies:
         self._lock = threading.Condition()  # notified as each copy lands
         self._own: list[Snapshot] = []  # at most the two newest, oldest first
         self._held: dict[int, list[Snapshot]] = {index: [] for index in ring.peer_indices}
+        self._payloads: dict[int, list[torch.Tensor]] = {}  # the held copies' buffers
         self._sending: Future[BaseException | None] | None = None
         self._started = -1  # the step of the newest snapshot handed to the sender
         self._failed = False  # a send failed: no more copies this round
@@ -162,7 +165,8 @@ class PeerCopies:
         self._sending, self._started = self._send(header, buffer), committed
 
     def close(self) -> list[Snapshot]:
-        """Stop copying; the :attr:`completed` snapshots. Never raises.
+        """Stop copying; hand over the :attr:`completed` snapshots (this object keeps
+        none; a second call returns none). Never raises.
 
         Waits for the send in flight (so that a clean re-form keeps its copy), then sends
         the holder the end mark and waits for the end marks of the ranks held for, unless
@@ -170,7 +174,7 @@ class PeerCopies:
         cleanly, else abandoned (a send or receive may still be blocked on a hung peer).
         """
         if self._closed:
-            return self.completed
+            return []
         clean = not self._failed
         try:
             if self._sending is not None:
@@ -184,7 +188,14 @@ class PeerCopies:
             clean = False
         with self._lock:
             self._closed = True
-        completed = self.completed
+            completed = [*self._own, *(s for held in self._held.values() for s in held)]
+            # The caller owns them now. A send or receive still blocked on a dead peer
+            # keeps this object alive until gloo gives up (up to the collective timeout),
+            # and with it every buffer it lists: 1.6 GB per rank at 1.2 GB of FSDP state,
+            # held through the restore and the steps after it. Only the buffer gloo is
+            # reading or writing stays (the blocked call holds it).
+            self._own, self._buffers, self._payloads = [], [None, None], {}
+            self._held = {index: [] for index in self._held}
         if clean:
             destroy_side_group(self._group)
         else:
@@ -242,10 +253,11 @@ class PeerCopies:
               payload: torch.Tensor | None) -> Future[BaseException | None]:
         """Send a packed piece (or, with None, the end mark) to the holder, in a thread."""
         future: Future[BaseException | None] = Future()
+        to, group = self._ring.to, self._group  # not self: see close()
 
         def run() -> None:
             try:
-                send_piece(header, payload, to=self._ring.to, group=self._group)
+                send_piece(header, payload, to=to, group=group)
             except BaseException as exc:  # reported to the training thread by the future
                 future.set_result(exc.with_traceback(None))  # its frames held the buffers
                 return
@@ -257,23 +269,18 @@ class PeerCopies:
     def _receive_from(self, source: int, index: int) -> Future[BaseException | None]:
         """Receive ``source``'s copies until its end mark, in a thread, keeping the newest."""
         future: Future[BaseException | None] = Future()
+        group = self._group
 
         def run() -> None:
-            payloads: list[torch.Tensor] = []  # the kept copies' buffers, oldest first
+            # Between two receives this frame holds no copy: only the spare buffer, which
+            # the next receive fills (see close()).
             spare = None  # the buffer of the copy the last one pushed out, received into next
             try:
-                while (received := receive_piece(source, group=self._group,
-                                                 into=spare)) is not None:
-                    step, piece, meta, payload = received
-                    with self._lock:
-                        if self._closed:  # a late arrival after close() is not used
-                            break
-                        kept = self._held[index]
-                        kept[:] = [*kept[-(_KEPT - 1):],
-                                   Snapshot(step, self._ring.count, index, piece, meta)]
-                        self._lock.notify_all()
-                    payloads.append(payload)
-                    spare = payloads.pop(0) if len(payloads) > _KEPT else None
+                while (received := receive_piece(source, group=group, into=spare)) is not None:
+                    kept, spare = self._keep(index, *received)
+                    del received
+                    if not kept:  # a late arrival after close() is not used
+                        break
             except BaseException as exc:  # a source gone: the copies so far stay
                 future.set_result(exc.with_traceback(None))  # its frames held the buffers
                 return
@@ -281,6 +288,20 @@ class PeerCopies:
 
         threading.Thread(target=run, name=f"peer-copies-from-{source}", daemon=True).start()
         return future
+
+    def _keep(self, index: int, step: int, piece: Piece, meta: dict[str, Any],
+              payload: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+        """Keep a copy of piece ``index`` that arrived whole (the two newest, unless
+        closed: then False); and the buffer of the one it pushed out, to receive into next."""
+        with self._lock:
+            if self._closed:
+                return False, None
+            kept = self._held[index]
+            kept[:] = [*kept[-(_KEPT - 1):], Snapshot(step, self._ring.count, index, piece, meta)]
+            payloads = self._payloads.setdefault(index, [])
+            payloads.append(payload)  # the kept copies' buffers, oldest first
+            self._lock.notify_all()
+            return True, payloads.pop(0) if len(payloads) > _KEPT else None
 
 
 def send_piece(header: bytes | None, payload: torch.Tensor | None, *, to: int,
