@@ -33,6 +33,14 @@ class Regression(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+def make_model(width: int, hidden: int) -> torch.nn.Module:
+    """The same initial model on every rank (and in the tests' one-process reference)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+    )
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
@@ -76,11 +84,7 @@ def main() -> None:
 
     def build(layout: ert.Layout) -> ert.TrainState:
         """Model and optimizer; called once per worker (survivors keep theirs)."""
-        torch.manual_seed(0)  # every rank builds the same initial model
-        model = torch.nn.Sequential(
-            torch.nn.Linear(args.width, args.hidden), torch.nn.Tanh(),
-            torch.nn.Linear(args.hidden, 1)
-        )
+        model = make_model(args.width, args.hidden)
         if args.device == "worker":
             model = model.to(ert.worker_device())  # before the optimizer takes its parameters
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

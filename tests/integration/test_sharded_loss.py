@@ -42,14 +42,14 @@ from tests.integration.launch_helpers import events, launch_args
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
 SCRIPT = str(REPO / "scripts" / "examples" / "fsdp_train.py")
-STEPS, GLOBAL_BATCH, WIDTH, HIDDEN = 200, 12, 32, 64
+GLOBAL_BATCH, WIDTH, HIDDEN = 12, 32, 64
 
 
 def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, extra: list[str],
           case: Case):
     args = launch_args(etcd_server.endpoint, run_id, f"1:{len(case.nodes)}",
                        tmp / "events.jsonl", node_id=name, nproc=case.nproc)
-    script = [SCRIPT, "--steps", str(STEPS), "--step-time", "0.1", *extra,
+    script = [SCRIPT, "--steps", str(case.steps), "--step-time", "0.1", *extra,
               "--global-batch", str(GLOBAL_BATCH), "--out", str(tmp / "out")]
     return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
 
@@ -85,17 +85,18 @@ class Case:
     joins: str = ""  # when c starts: "before the kill" (admitted with the recovery round or
     # the next one, as the agents decide) or "after the recovery" (a growth round of its own)
     nproc: int = 2
+    steps: int = 200  # at 0.1 s: room after the kill for c's workers to start and join
 
 
 CKPT = ["--checkpoint", "CKPT"]
 CASES = {
     "hsdp": Case(("hsdp2x2", "hsdp2x2"), ["--max-shard", "2"], "replicas",
-                 joins="before the kill"),
+                 joins="before the kill", steps=100),  # c started (registered) before it
     "fsdp": Case(("fsdp4", "fsdp4"), ["--max-shard", "64"], "peer copies",
                  joins="after the recovery"),
     "fsdp-copy-holder-lost": Case(("fsdp3", "dp1xpp1xtp1"),
                                   ["--max-shard", "64", *CKPT, "--every", "5"], "checkpoint",
-                                  nodes="abc", nproc=1),
+                                  nodes="abc", nproc=1, steps=60),  # nobody joins
 }
 
 
@@ -134,7 +135,8 @@ def test_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
         assert nodes[node].wait(timeout=180) == 0, (tmp_path / f"{node}.log").read_text()[-3000:]
 
     got = ft.join_params(str(tmp_path / "out"))
-    want = reference_params(steps=STEPS, global_batch=GLOBAL_BATCH, width=WIDTH, hidden=HIDDEN)
+    want = reference_params(steps=case.steps, global_batch=GLOBAL_BATCH, width=WIDTH,
+                            hidden=HIDDEN)
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
@@ -163,7 +165,7 @@ def test_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
     # again (the copy of a step is taken at the start of the next, and counts once it has
     # arrived); from the checkpoint, at most the steps since it.
     steps = sorted(e.step or 0 for e in log if e.name == "step.completed" and e.node == "a")
-    redone = (len(steps) - case.nproc * STEPS) // case.nproc
-    assert sorted(set(steps)) == list(range(1, STEPS + 1)), "a step was skipped"
+    redone = (len(steps) - case.nproc * case.steps) // case.nproc
+    assert sorted(set(steps)) == list(range(1, case.steps + 1)), "a step was skipped"
     most = {"replicas": 0, "peer copies": 1, "checkpoint": 5}[case.restored_from]
     assert 0 <= redone <= most, redone
