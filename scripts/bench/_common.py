@@ -1,4 +1,4 @@
-"""Shared pieces of the process benchmarks: interruption, JSON-lines tails, tables.
+"""Shared pieces of the process benchmarks: interruption, JSON-lines tails, tables, loopback.
 
 Every process a benchmark starts goes through an :class:`elastic_rt.harness.ProcessLedger`,
 which starts it in its own session and, on close (also on Ctrl-C or SIGTERM, see
@@ -11,7 +11,10 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import socket
 import statistics
+import threading
+import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -66,3 +69,28 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(headers), line("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def loopback_rate(nbytes: int = 1 << 30, chunk: int = 16 << 20) -> float:
+    """Bytes a second one TCP connection on 127.0.0.1 carries (a thread each side, the
+    kernel copying between them, as a stream between two ranks' processes does)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = threading.Thread(target=_send_zeros,
+                                  args=(server.getsockname(), nbytes, chunk), daemon=True)
+        began = time.perf_counter()
+        sender.start()
+        conn, _ = server.accept()
+        with conn:
+            buffer, left = memoryview(bytearray(chunk)), nbytes
+            while left:
+                left -= conn.recv_into(buffer, min(chunk, left))
+        elapsed = time.perf_counter() - began
+        sender.join()
+    return nbytes / elapsed
+
+
+def _send_zeros(address: tuple[str, int], nbytes: int, chunk: int) -> None:
+    block = memoryview(bytes(chunk))  # a view: a short last slice of bytes would be a copy
+    with socket.create_connection(address) as conn:
+        for start in range(0, nbytes, chunk):
+            conn.sendall(block[:min(chunk, nbytes - start)])

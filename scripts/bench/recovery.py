@@ -113,17 +113,15 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from _common import JsonLines, fmt, interruptible, median, p90, table
+from _common import JsonLines, fmt, interruptible, loopback_rate, median, p90, table
 
 from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV
 
@@ -311,7 +309,10 @@ class Job:
 
     def _env(self) -> dict[str, str]:
         # elastic-rt's defaults throughout, but for the collective timeout (see the docstring).
-        return child_env(**{COLLECTIVE_TIMEOUT_ENV: str(self.args.collective_timeout)})
+        threads = {"OMP_NUM_THREADS": str(self.args.worker_threads)} \
+            if self.args.worker_threads else {}
+        return child_env(**{COLLECTIVE_TIMEOUT_ENV: str(self.args.collective_timeout)},
+                         **threads)
 
     def poll(self) -> list[Row]:
         new = _rows(self.case, self.tail)
@@ -482,31 +483,6 @@ def _mb(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 1e6
 
 
-def loopback_rate(nbytes: int = 1 << 30, chunk: int = 16 << 20) -> float:
-    """Bytes a second one TCP connection on 127.0.0.1 carries (a thread each side, the
-    kernel copying between them, as a stream between two ranks' processes does)."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        sender = threading.Thread(target=_send_zeros,
-                                  args=(server.getsockname(), nbytes, chunk), daemon=True)
-        began = time.perf_counter()
-        sender.start()
-        conn, _ = server.accept()
-        with conn:
-            buffer, left = memoryview(bytearray(chunk)), nbytes
-            while left:
-                left -= conn.recv_into(buffer, min(chunk, left))
-        elapsed = time.perf_counter() - began
-        sender.join()
-    return nbytes / elapsed
-
-
-def _send_zeros(address: tuple[str, int], nbytes: int, chunk: int) -> None:
-    block = bytes(chunk)
-    with socket.create_connection(address) as conn:
-        for start in range(0, nbytes, chunk):
-            conn.sendall(block[:min(chunk, nbytes - start)])
-
-
 def _beyond(value: float | None, step: float | None) -> str:
     return "-" if value is None or step is None else fmt(value - step)
 
@@ -612,6 +588,10 @@ def parse_args() -> argparse.Namespace:
                    help="--monitor-interval of torchrun-fast")
     p.add_argument("--torchrun-max-restarts", type=int, default=3,
                    help="torchrun --max-restarts (its default 0 survives nothing)")
+    p.add_argument("--worker-threads", type=int, default=0,
+                   help="intra-op threads per worker (OMP_NUM_THREADS; 0: torch's default, "
+                        "every core, so three simulated nodes oversubscribe the machine; 1 "
+                        "gives each its share, as nodes with cores of their own have)")
     p.add_argument("--start-timeout", type=float, default=120)
     p.add_argument("--recover-timeout", type=float, default=150)
     p.add_argument("--keep", action="store_true", help="keep logs and outputs")
