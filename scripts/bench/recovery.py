@@ -61,7 +61,10 @@ For the join cases and inproc-fence "recovery" is the time from starting (or
 continuing) node c to the first step at world size 3, and the figure that matters
 is the survivors' **longest pause**:
 the longest gap between two steps completed anywhere from c's start until three
-steps at world size 3 (in-process, a and b train on while c starts).
+steps at world size 3 (in-process, a and b train on while c starts). On one machine that
+window also holds c's start and model build on the members' cores, which on a cluster
+run on c's own; so in-process joins also show the members' gap at the admission: their
+longest gap from their last step before the round that admits c to three steps after.
 
 torchrun's c10d rendezvous store lives in the agent of the node that hosts it
 (``is_host=true``, node a here); killing that node ends the job for everyone, so
@@ -220,6 +223,10 @@ class Trial:
     stream_rate: float | None = None
     """Join: the bytes the newcomer received over the time from the end of its restore to
     its state landing (the step it sat out done): a floor of the stream's speed."""
+    admission_gap_s: float | None = None
+    """Join: the members' longest gap between two of their steps from their last step before
+    the round that admits c to 3 steps after it: the pause the admission itself costs, where
+    the longest pause also holds c's start and build on the members' cores."""
 
 
 @dataclass(frozen=True)
@@ -390,7 +397,18 @@ class Job:
                      bytes_moved=self._bytes_moved(first.round), step_after_s=_step_time(after),
                      rss_growth=self._rss_growth(first.round),
                      ready_s=self._ready_s(first.round, before),
-                     stream_rate=self._stream_rate(first.round))
+                     stream_rate=self._stream_rate(first.round),
+                     admission_gap_s=self._admission_gap(first, end))
+
+    def _admission_gap(self, first: Row, end: float) -> float | None:
+        if not self.case.in_process or self.case.fault != "join":
+            return None
+        members = [r for r in self.rows if r.node != VICTIM and r.time <= end]
+        older = [r.time for r in members if (r.round or 0) < (first.round or 0)]
+        if not older:
+            return None
+        times = sorted({r.time for r in members if r.time >= max(older)})
+        return max((b - a for a, b in zip(times, times[1:])), default=None)
 
     def _stream_rate(self, round_: int | None) -> float | None:
         if not self.case.in_process or self.case.fault != "join":
@@ -502,7 +520,8 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
         finally:
             procs.close()
         trials.append(trial)
-        stream = (f", stream {fmt(_mb(trial.stream_rate), '.0f')} MB/s"
+        stream = (f", stream {fmt(_mb(trial.stream_rate), '.0f')} MB/s, members' gap at the "
+                  f"admission {fmt(trial.admission_gap_s)} s"
                   if trial.stream_rate is not None else "")
         print(f"  {case.name} #{i + 1}: recovery {fmt(trial.recovery_s)} s, steps lost "
               f"{fmt(trial.steps_lost, 'd')}, longest pause {fmt(trial.pause_s)} s, "
@@ -541,6 +560,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case],
         grown = max((t.rss_growth for t in ok if t.rss_growth is not None), default=None)
         ready = [t.ready_s for t in ok if t.ready_s is not None]
         stream = median([t.stream_rate for t in ok if t.stream_rate is not None])
+        admission = median([t.admission_gap_s for t in ok if t.admission_gap_s is not None])
         rows.append([
             name, f"{len(ok)}/{len(trials)}", fmt(med[name]), fmt(p90(times)),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
@@ -551,6 +571,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case],
             fmt(moved, ".0f"), fmt(_mb(grown), ".0f"), f"{fmt(median(ready))} / {fmt(p90(ready))}",
             fmt(_mb(stream), ".0f"),
             "-" if stream is None or not loopback else f"{stream / loopback:.2f}",
+            fmt(admission), _beyond(admission, step),
             ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
         ])  # fmt: skip
     return table(["case", "ok", "recovery s (median)", "p90", "min-max", "steps lost (median)",
@@ -561,6 +582,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case],
                   "restore's peak extra RSS MB (max)",
                   "last step to restored s (median / p90)",
                   "join: newcomer's stream MB/s (median)", "stream / loopback TCP",
+                  "join: members' gap at the admission s (median)", "gap beyond a step",
                   "torchrun-default / this",
                   "torchrun-fast / this", "target"], rows)
 

@@ -2,15 +2,17 @@
 that sends it anything, the plan's chunks (``replica_transfer.chunks`` and ``senders``) in
 order on each, read by ``recv_into`` straight into the receiver's tensors.
 
-Why not the group's backend: on this machine's loopback gloo's ``isend``/``irecv`` moved
-0.34-0.90 GB/s between two processes (64 MB messages, four in flight) where one TCP
-connection moves 4.6-4.9 GB/s; a 256 MB stream from two holders to one receiver took 1.18 s
-through gloo and 0.06 s here (4.5 GB/s). A 1.2 GB join beside the holders' training
-(``scripts/bench/recovery.py --cases inproc-join --state-mb 1200``, 2 cores shared by three
-training workers): 1.87-2.29 GB/s (median 0.47 of one loopback connection) against
-1.16-1.90 GB/s (0.42) through gloo, the CPU the holders train on being the limit. So host
-tensors go over sockets of our own; a device's go through the backend (NCCL moves them
-device to device), and so does every stream where a rank has no IPv4 address to offer.
+Why not the group's backend: the stream alone (``scripts/bench/stream.py --state-mb 1200``:
+two holders, one receiver, nothing else running, both ways in one run) moves 1.2 GB at
+4.7-5.3 GB/s here, 1.0-1.3 times one loopback TCP connection measured beside it, and
+3.0-3.9 GB/s (0.67-0.85) through gloo; the first measure of gloo's bare ``isend``/``irecv``
+(two processes, 64 MB messages, four in flight) gave 0.34-0.90 GB/s, and a 256 MB stream
+took 1.18 s through gloo against 0.06 s here. Beside the holders' training (``scripts/bench/
+recovery.py --cases inproc-join --state-mb 1200``, 2 cores shared by three training workers
+of two threads each) it is the CPU that limits: 1.87-2.29 GB/s (median 0.47 of loopback)
+against 1.16-1.90 GB/s (0.42) through gloo. So host tensors go over sockets of our own; a
+device's go through the backend (NCCL moves them device to device), and so does every
+stream where a rank has no IPv4 address to offer.
 
 Rules:
 - Addresses: each holder listens on an ephemeral port of its node's address (its agent's,
