@@ -100,7 +100,7 @@ above its start during its restore (``rss_growth_bytes``: the kernel's peak RSS,
 the restore begins). Join trials also show the newcomer's stream: the bytes it received over
 the stream's own time, from its start at the end of the restore to its last byte (``stream_ms``
 of ``state.landed``; where a run does not report it, to the state landing, the step it sat
-out done), against one TCP connection over loopback measured at the start.
+out done), against one TCP connection over loopback measured at the start (best of three).
 
 Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
       python scripts/bench/recovery.py --cases inproc-kill inproc-join --state-mb 1200
@@ -644,7 +644,7 @@ def main() -> int:
     loopback = None
     if any(known[n].fault == "join" and known[n].in_process for n in names):
         loopback = loopback_rate()
-        print(f"loopback TCP, one connection: {loopback / 1e6:.0f} MB/s", flush=True)
+        print(f"loopback TCP, one connection (best of 3): {loopback / 1e6:.0f} MB/s", flush=True)
     try:
         with interruptible():
             if any(known[n].launcher == "elastic" or known[n].rdzv_backend == "etcd-v3"

@@ -78,7 +78,7 @@ def _worker(rank: int, port: int, state_mb: int, repeats: int, results: mp.Queue
 def main() -> None:
     args = parse_args()
     loopback = loopback_rate()
-    print(f"loopback TCP, one connection: {loopback / 1e9:.2f} GB/s", flush=True)
+    print(f"loopback TCP, one connection (best of 3): {loopback / 1e9:.2f} GB/s", flush=True)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -45,7 +45,14 @@ of its own (``tcp_stream.py``) the same bench's stream takes 0.5-0.6 s from its 
 last byte (1.87-2.29 GB/s; 1.16-1.90 GB/s through gloo). A growth no longer waits for a
 checkpoint save being written (``boundary_vote.Stop.SAVING``: the members train on; with a
 save every 10 steps the re-form took 1.9-2.7 s before, 32-49 ms after), and the members' gap
-at the join is 2.4 s, +0.7-0.8 s beyond a normal step.
+at the join is 2.4 s, +0.7-0.8 s beyond a normal step. The bench now reports that gap
+itself (the members' longest gap from their last step before the admitting round to three
+steps after); two runs of 3 on 2026-12-07, one with a thread per worker
+(``--worker-threads 1``): 2.32/2.50/2.90 s against a normal step of 1.41-1.51 s and a step
+after the join of 2.25-2.58 s, and 2.11/3.31/2.83 s against 1.64-1.81 and 2.39-2.92 s with
+torch's default threads: about the step after, +0.3-1.6 s beyond a normal one (on two cores
+a third worker slows every step). The stream in those runs: 1.9-2.7 GB/s, 0.39-0.57 of the
+best loopback connection (4.8 GB/s); alone (``scripts/bench/stream.py``) 4.7-5.3 GB/s.
 """
 
 from __future__ import annotations
