@@ -107,8 +107,7 @@ class ShardedTrainer(TrainStateTrainer):
         # A sharded module and its FSDP state refer to each other, so dropping the last
         # reference frees nothing until the cyclic collector runs: on one survivor of two
         # the old state and snapshots (1.5 GB at 1.2 GB) outlived the restore and the new
-        # snapshot came on top. One collection here frees them at once (under a millisecond:
-        # run() froze what lives for the run).
+        # snapshot came on top. One collection here frees them at once.
         del kept
         gc.collect()
         self._refresh_snapshot(at.progress.step, at.sampler)  # the restored state's copy
