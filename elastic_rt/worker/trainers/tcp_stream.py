@@ -5,12 +5,10 @@ order on each, read by ``recv_into`` straight into the receiver's tensors.
 Why not the group's backend: the stream alone (``scripts/bench/stream.py --state-mb 1200``:
 two holders, one receiver, nothing else running, both ways in one run) moves 1.2 GB at
 4.7-5.3 GB/s here, 1.0-1.3 times one loopback TCP connection measured beside it, and
-3.0-3.9 GB/s (0.67-0.85) through gloo; the first measure of gloo's bare ``isend``/``irecv``
-(two processes, 64 MB messages, four in flight) gave 0.34-0.90 GB/s, and a 256 MB stream
-took 1.18 s through gloo against 0.06 s here. Beside the holders' training (``scripts/bench/
-recovery.py --cases inproc-join --state-mb 1200``, 2 cores shared by three training workers
-of two threads each) it is the CPU that limits: 1.87-2.29 GB/s (median 0.47 of loopback)
-against 1.16-1.90 GB/s (0.42) through gloo. So host tensors go over sockets of our own; a
+3.0-3.9 GB/s (0.67-0.85) through gloo. Beside the holders' training (``scripts/bench/
+recovery.py --cases inproc-join --state-mb 1200``, 2 cores shared by three training workers)
+it is the CPU that limits: 1.9-2.7 GB/s, 0.39-0.57 of loopback (1.16-1.90 GB/s through gloo
+in an earlier run). So host tensors go over sockets of our own; a
 device's go through the backend (NCCL moves them device to device), and so does every
 stream where a rank has no IPv4 address to offer.
 
