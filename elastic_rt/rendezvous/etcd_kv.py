@@ -81,6 +81,9 @@ def _translated(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+_REFUSED_WATCH = -1
+"""The watch id etcd answers a create it refuses (permissions, a token it forgot) with;
+python3-etcd3 returns it as if the watch existed."""
 _REQUIRE_LEADER = ("hasleader", "true")
 """etcd's metadata for "answer at once if you have no leader" (clientv3.WithRequireLeader)."""
 _NO_LEADER = "no leader"
@@ -352,34 +355,47 @@ class EtcdKV:
         watch.arm()
         return watch.cancel
 
-    @_translated
     def watch_changes(self, prefix: str, callback: Callable[[list[Change] | None], None], *,
                       start_revision: int) -> Callable[[], None]:
         def relay(response: Any) -> None:
-            if isinstance(response, Exception):
+            if _stream_ended(response):
                 callback(None)
                 return
             callback([Change(pb_kv(event._event.kv),
                              isinstance(event, etcd3.events.DeleteEvent))
                       for event in response.events])
 
-        watch_id = self._client.add_watch_prefix_callback(prefix, relay,
-                                                          start_revision=start_revision)
+        return self._watch(prefix, relay, start_revision=start_revision)
+
+    @_translated
+    def _watch(self, prefix: str, relay: Callable[[Any], None], *,
+               start_revision: int | None = None) -> Callable[[], None]:
+        """Watch ``prefix``; returns the cancel of that watch on the stream that holds it.
+
+        The client replaces its watcher (and its stream) after any call that fails with
+        UNAVAILABLE or DEADLINE_EXCEEDED, and watch ids count from 0 on each stream, so
+        cancelling by id on whichever watcher is current could end another caller's watch.
+        """
+        watcher = self._client.watcher
+        end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
+        try:
+            watch_id = watcher.add_callback(prefix, relay, range_end=end,
+                                            start_revision=start_revision)
+        except grpc.RpcError as exc:
+            self._client._manage_grpc_errors(exc)  # benches the member, as its own calls do
+            raise
+        if watch_id == _REFUSED_WATCH:
+            watcher.cancel(watch_id)
+            self._needs_login = self._auth.user is not None  # a stale token is the usual cause
+            raise StoreConnectionError(f"etcd at {self.endpoint} refused a watch on {prefix}")
 
         def cancel() -> None:
             try:
-                self._client.cancel_watch(watch_id)
+                watcher.cancel(watch_id)
             except Exception:  # noqa: BLE001 - a dead store has nothing left to cancel
                 logger.debug("cancelling watch on %s failed", prefix, exc_info=True)
 
         return cancel
-
-    @_translated
-    def _add_watch(self, prefix: str, callback: Callable[[Any], None]) -> int:
-        return int(self._client.add_watch_prefix_callback(prefix, callback))
-
-    def _cancel_watch(self, watch_id: int) -> None:
-        self._client.cancel_watch(watch_id)
 
     def close(self) -> None:
         try:
@@ -423,6 +439,17 @@ class _Token(grpc.AuthMetadataPlugin):
         callback((("token", self._token),), None)
 
 
+def _stream_ended(response: Any) -> bool:
+    """Whether a watch callback says its stream is gone rather than delivering events.
+
+    A broken stream calls back with its error. A stream the client closed calls back
+    with None: python3-etcd3 drops its watcher (closing its stream) whenever a unary
+    call fails with UNAVAILABLE or DEADLINE_EXCEEDED, so one slow call during an etcd
+    hiccup ends every watch of the client that way. Both need a new watch.
+    """
+    return not isinstance(response, etcd3.watch.WatchResponse)
+
+
 class _Watch:
     """A prefix watch that re-arms itself after the stream breaks (etcd restarted).
 
@@ -434,19 +461,21 @@ class _Watch:
         self._kv = kv
         self._prefix = prefix
         self._callback = callback
-        self._watch_id: int | None = None
+        self._cancel_armed: Callable[[], None] | None = None
         self._cancelled = threading.Event()
 
     def arm(self) -> None:
         try:
-            self._watch_id = self._kv._add_watch(self._prefix, self._relay)
+            self._cancel_armed = self._kv._watch(self._prefix, self._relay)
         except Exception:  # noqa: BLE001 - thread boundary: log and retry later
             logger.debug("watch on %s not armed; retrying", self._prefix, exc_info=True)
             self._rearm_later()
 
     def _relay(self, response: Any) -> None:
+        if self._cancelled.is_set():
+            return  # a stream the client dropped can deliver after the cancel
         self._callback()
-        if isinstance(response, Exception) and not self._cancelled.is_set():
+        if _stream_ended(response):
             self._rearm_later()
 
     def _rearm_later(self) -> None:
@@ -458,8 +487,5 @@ class _Watch:
 
     def cancel(self) -> None:
         self._cancelled.set()
-        if self._watch_id is not None:
-            try:
-                self._kv._cancel_watch(self._watch_id)
-            except Exception:  # noqa: BLE001 - a dead store has nothing left to cancel
-                logger.debug("cancelling watch on %s failed", self._prefix, exc_info=True)
+        if self._cancel_armed is not None:
+            self._cancel_armed()

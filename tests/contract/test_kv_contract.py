@@ -7,7 +7,9 @@ real etcd; an in-memory store for unit tests would subclass it as well.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -252,6 +254,33 @@ class TestEtcdKVAcrossRestarts:
             assert kv.get("/restart/before") is not None  # data survived the restart
         finally:
             cancel()
+
+    def test_a_cancel_ends_only_its_own_watch_after_a_call_timed_out(
+        self, kv: EtcdKV, fresh_etcd: EtcdServer
+    ) -> None:
+        # A call that times out makes the client start a new watch stream, whose ids count
+        # from 0 again: a cancel must go to the stream holding its watch, not to another's.
+        first_fired, second_fired = threading.Event(), threading.Event()
+        cancel_first = kv.on_change("/restart/first/", first_fired.set)
+        kv.put("/restart/first/k", b"1")
+        assert first_fired.wait(5)
+        assert fresh_etcd.pid is not None
+        os.kill(fresh_etcd.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreConnectionError):
+                kv.get("/restart/first/k")  # DEADLINE_EXCEEDED: the client drops its watcher
+        finally:
+            os.kill(fresh_etcd.pid, signal.SIGCONT)
+        cancel_second = kv.on_change("/restart/", second_fired.set)
+        try:
+            cancel_first()
+            wait_until(lambda: _put_and_see(kv, second_fired), 10, "the second watch to fire")
+            first_fired.clear()
+            second_fired.clear()
+            kv.put("/restart/first/k", b"2")
+            assert second_fired.wait(5) and not first_fired.is_set()  # the cancelled one is quiet
+        finally:
+            cancel_second()
 
     def test_calls_to_a_dead_etcd_raise_store_connection_error(
         self, kv: EtcdKV, fresh_etcd: EtcdServer

@@ -385,8 +385,9 @@ def test_login_is_renewed_after_etcd_restarts(secured: Secured) -> None:
 
     wait_until(put_works, 20, "a put after the restart")
     assert _value(kv.get(f"/elastic_rt/{run}/a")) == b"2"
-    # The watch re-arms on its own within a second; keep writing until it reports.
-    wait_until(lambda: kv.put(f"/elastic_rt/{run}/a", b"3") and woke.is_set(), 10,
+    # The watch re-arms on its own, every half second while etcd refuses it, but each try
+    # may wait out the client's 5 s timeout on a loaded machine; keep writing until it reports.
+    wait_until(lambda: kv.put(f"/elastic_rt/{run}/a", b"3") and woke.is_set(), 20,
                "the re-armed watch to fire with the new token")
     cancel()
     kv.close()
