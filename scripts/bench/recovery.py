@@ -100,7 +100,9 @@ above its start during its restore (``rss_growth_bytes``: the kernel's peak RSS,
 the restore begins). Join trials also show the newcomer's stream: the bytes it received over
 the stream's own time, from its start at the end of the restore to its last byte (``stream_ms``
 of ``state.landed``; where a run does not report it, to the state landing, the step it sat
-out done), against one TCP connection over loopback measured at the start (best of three).
+out done), against one TCP connection over loopback measured at the start (best of three),
+and against the same measured while the members train, just before c starts: on two cores
+the stream shares them with two training workers, which a cluster's nodes do not.
 
 Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
       python scripts/bench/recovery.py --cases inproc-kill inproc-join --state-mb 1200
@@ -227,6 +229,10 @@ class Trial:
     """Join: the members' longest gap between two of their steps from their last step before
     the round that admits c to 3 steps after it: the pause the admission itself costs, where
     the longest pause also holds c's start and build on the members' cores."""
+    busy_loopback: float | None = None
+    """In-process join: one loopback TCP connection's rate (best of three) measured while
+    the members train, just before c starts: what the machine's loopback gives a stream
+    that shares its cores with two training workers, as the newcomer's stream does here."""
 
 
 @dataclass(frozen=True)
@@ -358,6 +364,8 @@ class Job:
         victim_tree = self.procs.tree(self.nodes[VICTIM]) if VICTIM in self.nodes else []
         old_pids = {p.pid for pid in self.nodes.values() for p in self.procs.tree(pid)}
         fault_round = max((r.round or 0) for r in self.poll())
+        busy_loopback = (loopback_rate() if self.case.in_process and self.case.fault == "join"
+                         else None)
         stamp = self._fault(victim_tree, fault_round)
         self._faulted = True
 
@@ -398,7 +406,8 @@ class Job:
                      rss_growth=self._rss_growth(first.round),
                      ready_s=self._ready_s(first.round, before),
                      stream_rate=self._stream_rate(first.round),
-                     admission_gap_s=self._admission_gap(first, end))
+                     admission_gap_s=self._admission_gap(first, end),
+                     busy_loopback=busy_loopback)
 
     def _admission_gap(self, first: Row, end: float) -> float | None:
         if not self.case.in_process or self.case.fault != "join":
@@ -520,7 +529,8 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
         finally:
             procs.close()
         trials.append(trial)
-        stream = (f", stream {fmt(_mb(trial.stream_rate), '.0f')} MB/s, members' gap at the "
+        stream = (f", stream {fmt(_mb(trial.stream_rate), '.0f')} MB/s (loopback beside "
+                  f"training {fmt(_mb(trial.busy_loopback), '.0f')} MB/s), members' gap at the "
                   f"admission {fmt(trial.admission_gap_s)} s"
                   if trial.stream_rate is not None else "")
         print(f"  {case.name} #{i + 1}: recovery {fmt(trial.recovery_s)} s, steps lost "
@@ -561,6 +571,8 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case],
         ready = [t.ready_s for t in ok if t.ready_s is not None]
         stream = median([t.stream_rate for t in ok if t.stream_rate is not None])
         admission = median([t.admission_gap_s for t in ok if t.admission_gap_s is not None])
+        beside = median([t.stream_rate / t.busy_loopback for t in ok
+                         if t.stream_rate is not None and t.busy_loopback])
         rows.append([
             name, f"{len(ok)}/{len(trials)}", fmt(med[name]), fmt(p90(times)),
             f"{fmt(min(times, default=None))}-{fmt(max(times, default=None))}",
@@ -571,7 +583,7 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case],
             fmt(moved, ".0f"), fmt(_mb(grown), ".0f"), f"{fmt(median(ready))} / {fmt(p90(ready))}",
             fmt(_mb(stream), ".0f"),
             "-" if stream is None or not loopback else f"{stream / loopback:.2f}",
-            fmt(admission), _beyond(admission, step),
+            fmt(beside), fmt(admission), _beyond(admission, step), _beyond(admission, after),
             ratio(default, med[name]), ratio(fast, med[name]), chosen[name].target,
         ])  # fmt: skip
     return table(["case", "ok", "recovery s (median)", "p90", "min-max", "steps lost (median)",
@@ -582,7 +594,9 @@ def report(results: dict[str, list[Trial]], chosen: dict[str, Case],
                   "restore's peak extra RSS MB (max)",
                   "last step to restored s (median / p90)",
                   "join: newcomer's stream MB/s (median)", "stream / loopback TCP",
+                  "stream / loopback beside training (median)",
                   "join: members' gap at the admission s (median)", "gap beyond a step",
+                  "gap beyond the step after",
                   "torchrun-default / this",
                   "torchrun-fast / this", "target"], rows)
 
