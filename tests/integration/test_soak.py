@@ -6,9 +6,7 @@ and a fault that cannot land within a second giving way to one that can, in abou
 minutes on two cores. The job must finish with the parameters of an uninterrupted
 1-node run (float64, 1e-5), every step done once, every fault survived, and its
 longest-lived worker must not grow with its re-forms, nor the run's keys in etcd with its
-rounds. ``docs/soak.md`` lists what the
-soak found in the runtime; until those are fixed this test fails on some runs (a hang,
-reported with the workers' stacks, or an agent ended by an etcd member's restart).
+rounds. ``docs/soak.md`` lists what the soak found in the runtime and what it measures.
 """
 
 from __future__ import annotations
