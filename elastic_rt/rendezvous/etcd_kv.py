@@ -442,10 +442,10 @@ class _Token(grpc.AuthMetadataPlugin):
 def _stream_ended(response: Any) -> bool:
     """Whether a watch callback says its stream is gone rather than delivering events.
 
-    A broken stream calls back with its error. A stream the client closed calls back
-    with None: python3-etcd3 drops its watcher (closing its stream) whenever a unary
-    call fails with UNAVAILABLE or DEADLINE_EXCEEDED, so one slow call during an etcd
-    hiccup ends every watch of the client that way. Both need a new watch.
+    A broken stream calls back with its error; one that ended without an error, with
+    None (python3-etcd3 half-closes a watcher's stream when it drops the watcher after a
+    unary call failed with UNAVAILABLE or DEADLINE_EXCEEDED; etcd keeps serving such a
+    stream, but once it ends, that is how). Either way the watch is gone: arm a new one.
     """
     return not isinstance(response, etcd3.watch.WatchResponse)
 
