@@ -107,6 +107,18 @@ class _Members(etcd3.MultiEndpointEtcd3Client):
     reach the member that answers first.
     """
 
+    def _clear_old_stubs(self) -> None:
+        """Keep the stubs, and the watcher with its stream, where there is no other member.
+
+        The client drops them after any call that fails with UNAVAILABLE or
+        DEADLINE_EXCEEDED so that the next call goes to another member's channel. With
+        one member the next call uses the same channel, and the dropped watcher's stream
+        lives on half-closed, with its thread, until the connection ends: one more of
+        each for every slow call.
+        """
+        if len(self.endpoints) > 1:
+            super()._clear_old_stubs()
+
     @property
     def channel(self) -> Any:
         endpoints = list(self.endpoints.values())

@@ -256,31 +256,62 @@ class TestEtcdKVAcrossRestarts:
             cancel()
 
     def test_a_cancel_ends_only_its_own_watch_after_a_call_timed_out(
-        self, kv: EtcdKV, fresh_etcd: EtcdServer
+        self, fresh_etcd: EtcdServer
     ) -> None:
-        # A call that times out makes the client start a new watch stream, whose ids count
-        # from 0 again: a cancel must go to the stream holding its watch, not to another's.
+        # Over two members (here one etcd under two loopback names) a call that times out
+        # makes the client move to the other and start a new watch stream there, whose
+        # ids count from 0 again: a cancel must go to the stream holding its watch.
+        port = fresh_etcd.endpoint.rpartition(":")[2]
+        kv = EtcdKV(f"{fresh_etcd.endpoint},localhost:{port}", timeout=2)
         first_fired, second_fired = threading.Event(), threading.Event()
-        cancel_first = kv.on_change("/restart/first/", first_fired.set)
-        kv.put("/restart/first/k", b"1")
-        assert first_fired.wait(5)
-        assert fresh_etcd.pid is not None
-        os.kill(fresh_etcd.pid, signal.SIGSTOP)
         try:
-            with pytest.raises(StoreConnectionError):
-                kv.get("/restart/first/k")  # DEADLINE_EXCEEDED: the client drops its watcher
-        finally:
-            os.kill(fresh_etcd.pid, signal.SIGCONT)
-        cancel_second = kv.on_change("/restart/", second_fired.set)
-        try:
+            cancel_first = kv.on_change("/restart/first/", first_fired.set)
+            wait_until(lambda: _put_and_see(kv, first_fired, "/restart/first/k"), 10,
+                       "the first watch to fire")
+            assert fresh_etcd.pid is not None
+            os.kill(fresh_etcd.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(StoreConnectionError):
+                    kv.get("/restart/first/k")  # DEADLINE_EXCEEDED: on to the other member
+            finally:
+                os.kill(fresh_etcd.pid, signal.SIGCONT)
+            cancel_second = kv.on_change("/restart/", second_fired.set)
             cancel_first()
             wait_until(lambda: _put_and_see(kv, second_fired), 10, "the second watch to fire")
             first_fired.clear()
             second_fired.clear()
             kv.put("/restart/first/k", b"2")
             assert second_fired.wait(5) and not first_fired.is_set()  # the cancelled one is quiet
-        finally:
             cancel_second()
+        finally:
+            kv.close()
+
+    def test_calls_that_time_out_leave_no_watch_stream_behind(
+        self, kv: EtcdKV, fresh_etcd: EtcdServer
+    ) -> None:
+        # With one member a failed call has no other channel to move to: the watch stream
+        # and its thread are kept, where a dropped one would live on half-closed beside the
+        # next watch's new stream (one more thread for every slow call).
+        fired = threading.Event()
+        cancel = kv.on_change("/restart/", fired.set)
+        try:
+            wait_until(lambda: _put_and_see(kv, fired), 10, "the watch to fire")
+            streams = _watch_threads()
+            assert fresh_etcd.pid is not None
+            for _ in range(3):
+                os.kill(fresh_etcd.pid, signal.SIGSTOP)
+                try:
+                    with pytest.raises(StoreConnectionError):
+                        kv.get("/restart/k")  # DEADLINE_EXCEEDED
+                finally:
+                    os.kill(fresh_etcd.pid, signal.SIGCONT)
+                again = threading.Event()  # as a round's watch is armed after a failure
+                cancel_again = kv.on_change("/restart/", again.set)
+                wait_until(lambda: _put_and_see(kv, again), 10, "the new watch to fire")
+                cancel_again()
+            assert _watch_threads() == streams
+        finally:
+            cancel()
 
     def test_calls_to_a_dead_etcd_raise_store_connection_error(
         self, kv: EtcdKV, fresh_etcd: EtcdServer
@@ -295,13 +326,18 @@ class TestEtcdKVAcrossRestarts:
         assert item is not None and item.value == b"v"
 
 
-def _put_and_see(kv: KVStore, fired: threading.Event) -> bool:
+def _put_and_see(kv: KVStore, fired: threading.Event, key: str = "/restart/after") -> bool:
     fired.clear()
     try:
-        kv.put("/restart/after", uuid.uuid4().hex.encode())
+        kv.put(key, uuid.uuid4().hex.encode())
     except StoreConnectionError:
         return False
     return fired.wait(1)
+
+
+def _watch_threads() -> int:
+    """Threads of python3-etcd3's watchers in this process: one per live watch stream."""
+    return sum(t.name.startswith("etcd3_watch_") for t in threading.enumerate())
 
 
 def _answers(kv: KVStore) -> bool:
