@@ -309,7 +309,7 @@ class TestEtcdKVAcrossRestarts:
                 cancel_again = kv.on_change("/restart/", again.set)
                 wait_until(lambda: _put_and_see(kv, again), 10, "the new watch to fire")
                 cancel_again()
-            assert _watch_threads() == streams
+            assert _watch_threads() <= streams  # another test's closed client may end one
         finally:
             cancel()
 
