@@ -394,8 +394,7 @@ class EtcdKV:
             watch_id = watcher.add_callback(prefix, relay, range_end=end,
                                             start_revision=start_revision)
         except grpc.RpcError as exc:
-            self._client._manage_grpc_errors(exc)  # benches the member, as its own calls do
-            raise
+            self._client._manage_grpc_errors(exc)  # benches the member and raises, as its calls do
         if watch_id == _REFUSED_WATCH:
             watcher.cancel(watch_id)
             self._needs_login = self._auth.user is not None  # a stale token is the usual cause

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import multiprocessing
 import os
 import signal
@@ -38,7 +37,9 @@ from typing import Any, cast
 from _common import fmt, table
 
 from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.events import read_events
 from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env, wait_until
+from elastic_rt.harness.soak.footprint import slope
 from elastic_rt.worker.rss_peak import rss_bytes
 
 SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
@@ -51,13 +52,8 @@ GROUPS_PER_ROUND = 4
 
 def footprints(events: Path, node: str) -> list[tuple[int, dict[str, int]]]:
     """(round, footprint) of every ``groups.reformed`` event of ``node``'s worker."""
-    found = []
-    if events.exists():
-        for line in events.read_text().splitlines():
-            event = json.loads(line)
-            if event.get("name") == "groups.reformed" and event.get("node") == node:
-                found.append((event["round"], event["metadata"]["footprint"]))
-    return found
+    return [(event.round or 0, event.metadata["footprint"]) for event in read_events(str(events))
+            if event.name == "groups.reformed" and event.node == node]
 
 
 def latest_round(events: Path) -> int:
@@ -143,16 +139,6 @@ def torch_alone(cycles: int) -> list[int]:
                 proc.kill()
 
 
-def slope(values: list[float]) -> float | None:
-    """Least-squares growth per step of ``values`` (None under two)."""
-    n = len(values)
-    if n < 2:
-        return None
-    mean_x, mean_y = (n - 1) / 2, sum(values) / n
-    spread = sum((x - mean_x) ** 2 for x in range(n))
-    return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / spread
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cycles", type=int, default=50, help="kills and replacements of node c")
@@ -170,21 +156,21 @@ def main() -> int:
     rows = []
     for key, scale, unit in (("threads", 1, ""), ("open_fds", 1, ""),
                              ("rss_bytes", 1024, " KiB"), ("abandoned_groups", 1, "")):
-        values = [f[key] / scale for _, f in curve]
-        after = [f[key] / scale for f in settled]
+        values = [f[key] // scale for _, f in curve]
+        after = [f[key] // scale for f in settled]
         rows.append([key + unit, fmt(values[0], ".0f"), fmt(after[0] if after else None, ".0f"),
                      fmt(values[-1], ".0f"), fmt(max(values), ".0f"),
                      fmt(slope(after), "+.2f"), fmt(slope(after[len(after) // 2:]), "+.2f")])
     print(table(["figure", "first round", f"re-form {SETTLE}", "last", "max",
                  f"slope per re-form after {SETTLE}", "over the last half"], rows))
     alone = torch_alone(max(2 * args.cycles, 50))
-    torch_slope = slope([r / 1024 for r in alone[SETTLE:]])
-    job_slope = slope([f["rss_bytes"] / 1024 for f in settled[len(settled) // 2:]])
+    torch_slope = slope([r // 1024 for r in alone[SETTLE:]])
+    job_slope = slope([f["rss_bytes"] // 1024 for f in settled[len(settled) // 2:]])
     print(f"torch alone, {GROUPS_PER_ROUND} gloo groups made, used and dropped per cycle, "
           f"{len(alone)} cycles: RSS {alone[0] / 2**20:.1f} -> {alone[-1] / 2**20:.1f} MiB, "
           f"{fmt(torch_slope, '+.2f')} KiB a cycle; the job's worker "
           f"{fmt(job_slope, '+.2f')} KiB a re-form over the last half "
-          f"({'-' if not torch_slope or job_slope is None else f'{job_slope / torch_slope:.1f}x'}"
+          f"({'-' if not torch_slope else f'{job_slope / torch_slope:.1f}x'}"
           " torch's own)")
     return 0
 
