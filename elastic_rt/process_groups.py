@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,7 +44,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, _redistribute
 
 from elastic_rt import noticed_gloo
 from elastic_rt.accelerator import GLOO, backend_from_env, uses_nccl
@@ -458,7 +458,12 @@ def _forget_sharding_cache() -> None:
     # writes that spec onto the parameter, so after a re-form that moved ranks the state's
     # DTensors would name the wrong rows (checkpoint offsets, clipping, gathers). The
     # caches live in Python and, in recent torch, in C++ too (its DTensor fast path): all
-    # are cleared.
+    # are cleared. A process that never loaded DTensor (0.5-1 s of a worker's start, which
+    # a data-parallel job without checkpoints is spared) has none.
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor, _redistribute
+
     propagator = DTensor._op_dispatcher.sharding_propagator
     for cached in vars(propagator).values():
         if hasattr(cached, "cache_clear"):

@@ -6,8 +6,31 @@ writes in the background, checks every file on load, and never unpickles from
 storage. ``inspect.ls`` / ``inspect.verify`` back ``elastic-rt checkpoint``.
 """
 
-from elastic_rt.checkpoint.checkpointer import Checkpointer, CheckpointInfo
-from elastic_rt.checkpoint.manifest import FileEntry
-from elastic_rt.checkpoint.pointer import PointerStore
+from __future__ import annotations
 
-__all__ = ["Checkpointer", "CheckpointInfo", "FileEntry", "PointerStore"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names' types, for mypy and readers
+    from elastic_rt.checkpoint.checkpointer import Checkpointer, CheckpointInfo  # noqa: F401
+    from elastic_rt.checkpoint.manifest import FileEntry  # noqa: F401
+    from elastic_rt.checkpoint.pointer import PointerStore  # noqa: F401
+
+_EXPORTS = {
+    "Checkpointer": "elastic_rt.checkpoint.checkpointer",
+    "CheckpointInfo": "elastic_rt.checkpoint.checkpointer",
+    "FileEntry": "elastic_rt.checkpoint.manifest",
+    "PointerStore": "elastic_rt.checkpoint.pointer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Names on first use: a worker that reads only the run's fence (``pointer``) must not
+    load torch.distributed.checkpoint and DTensor (0.5-1 s of its start) for a job that
+    writes no checkpoint."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic_rt.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -52,14 +52,13 @@ import logging
 import math
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from elastic_rt.accelerator import use_worker_device
-from elastic_rt.checkpoint import Checkpointer
 from elastic_rt.config import DEFAULT_REFORM_TIMEOUT, WorkerEnv
 from elastic_rt.errors import (
     CheckpointError,
@@ -98,7 +97,6 @@ from elastic_rt.worker.run_options import RunOptions
 from elastic_rt.worker.rss_peak import RssPeak
 from elastic_rt.worker.trainers import (
     BuildFn,
-    ModelParallel,
     Progress,
     Restoring,
     StepFn,
@@ -110,6 +108,10 @@ from elastic_rt.worker.context import set_context
 from elastic_rt.worker.membership import Membership
 from elastic_rt.worker.static_membership import start_membership
 from elastic_rt.worker.stragglers import Balancer, Stragglers
+
+if TYPE_CHECKING:  # a worker loads these only for jobs that use them (pipelining, DCP: seconds)
+    from elastic_rt.checkpoint import Checkpointer
+    from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
 
 logger = logging.getLogger(__name__)
 

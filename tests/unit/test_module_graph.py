@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles among our modules, and the agent free of torch."""
+"""The package's shape: no import cycles among our modules, the agent free of torch, and a
+data-parallel worker free of the parts only other layouts and checkpoints need."""
 
 from __future__ import annotations
 
@@ -149,3 +150,22 @@ def test_the_policy_reaches_no_process_or_io_module() -> None:
     users = sorted(f"{m} imports {t}" for m in reached for t in _every_import(paths[m])
                    if any(_within(t, name) for name in io))
     assert not users, "\n".join(users)
+
+
+def test_a_data_parallel_worker_loads_no_pipelining_dtensor_or_checkpoint_code() -> None:
+    """What a plain data-parallel script touches (``ert.run``, ``TrainState``, the layout and
+    loader options) must not import torch's pipelining (which loads dynamo), DTensor or
+    torch.distributed.checkpoint: 1-2 s of every worker's start on two busy cores, paid again
+    by each replacement and newcomer. A job that uses them imports them itself."""
+    import subprocess
+    import sys
+
+    heavy = ("torch.distributed.pipelining", "torch._dynamo", "torch.distributed.tensor",
+             "torch.distributed.checkpoint", "elastic_rt.checkpoint.checkpointer")
+    code = ("import sys\nimport elastic_rt as ert\n"
+            "ert.run, ert.TrainState, ert.ModelLimits, ert.LoaderOptions, ert.context\n"
+            "import elastic_rt.process_groups, elastic_rt.worker.joined_round\n"
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=120).stdout.strip()
+    assert loaded == "[]", loaded

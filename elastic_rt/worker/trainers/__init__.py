@@ -28,9 +28,10 @@ here plus one line in :func:`choose`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from elastic_rt.layout import ModelLimits
 from elastic_rt.worker.trainers.meta import TrainMeta
-from elastic_rt.worker.trainers.model_parallel.trainer import OwnedStepTrainer
 from elastic_rt.worker.trainers.protocol import (
     BuildFn,
     Progress,
@@ -39,13 +40,13 @@ from elastic_rt.worker.trainers.protocol import (
     Trainer,
 )
 from elastic_rt.worker.trainers.replicated import ReplicatedTrainer
-from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
-from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
 from elastic_rt.worker.trainers.runtime_step import StepFn, StepOptions
-from elastic_rt.worker.trainers.sharded.trainer import ShardedTrainer
 
-__all__ = ["BuildFn", "ModelParallel", "Progress", "Restoring", "StepFn", "StepOptions",
-           "SteppedModel", "TrainMeta", "Trainer", "choose"]
+if TYPE_CHECKING:
+    from elastic_rt.worker.trainers.runtime_parallel.schedule import ModelParallel
+
+__all__ = ["BuildFn", "Progress", "Restoring", "StepFn", "StepOptions", "SteppedModel",
+           "TrainMeta", "Trainer", "choose"]
 
 
 def choose(*, build: BuildFn, step: StepFn | None, limits: ModelLimits, options: StepOptions,
@@ -55,13 +56,21 @@ def choose(*, build: BuildFn, step: StepFn | None, limits: ModelLimits, options:
     Raises:
         ConfigError: ``peer_copy_every`` is negative (sharded and runtime-parallel families).
     """
+    # The other families are imported here, not above: torch's pipelining (with dynamo) and
+    # FSDP cost a data-parallel worker's start 0.5-1 s that it never uses.
     if model_parallel is not None:
+        from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
+
         return RuntimeParallelTrainer(build, model_parallel, copy_every=peer_copy_every,
                                       clip_grad_norm=options.clip_grad_norm,
                                       autocast_dtype=options.autocast_dtype,
                                       accumulates=options.accumulates)
     if step is None:
+        from elastic_rt.worker.trainers.model_parallel.trainer import OwnedStepTrainer
+
         return OwnedStepTrainer(build)
     if limits.max_shard > 1:
+        from elastic_rt.worker.trainers.sharded.trainer import ShardedTrainer
+
         return ShardedTrainer(build, step, options, copy_every=peer_copy_every)
     return ReplicatedTrainer(build, step, options)

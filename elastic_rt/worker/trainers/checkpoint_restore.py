@@ -16,27 +16,21 @@ this one; the record beside them is decoded once, by :meth:`TrainMeta.decode`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
-
-from elastic_rt.checkpoint.checkpointer import CheckpointInfo
 from elastic_rt.errors import CheckpointNotFoundError, StateLostError
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.protocol import Restoring
 from elastic_rt.worker.trainers.runtime_step import ReplicatedStep, initialize_optimizer_state
 
+if TYPE_CHECKING:  # a job without checkpoints never loads torch.distributed.checkpoint
+    from elastic_rt.checkpoint.checkpointer import CheckpointInfo
+
+    Loaded = tuple[CheckpointInfo, TrainMeta]
+    """A checkpoint that was loaded, and the record saved beside its tensors."""
+
 logger = logging.getLogger(__name__)
-
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-Loaded = tuple[CheckpointInfo, TrainMeta]
-"""A checkpoint that was loaded, and the record saved beside its tensors."""
 
 
 def named_state(state: TrainState) -> dict[str, Any]:
@@ -45,7 +39,10 @@ def named_state(state: TrainState) -> dict[str, Any]:
     An optimizer's own state_dict keys its state by parameter index, which collides between
     pipeline stages; the flattened form names each entry, so it loads into any layout.
     """
-    model_state, optim_state = get_state_dict(state.model, state.optimizer, options=_FLAT)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(
+        state.model, state.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     return {"model": model_state, "optimizer": optim_state}
 
 
@@ -78,8 +75,11 @@ def load_checkpoint_into(state: TrainState, at: Restoring) -> Loaded | None:
     target = named_state(state)
     loaded = load_checkpoint(target, at)
     if loaded is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
         set_state_dict(state.model, state.optimizer, model_state_dict=target["model"],
-                       optim_state_dict=target["optimizer"], options=_FLAT)
+                       optim_state_dict=target["optimizer"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
     elif fresh_optimizer:
         state.optimizer.state.clear()
     return loaded

@@ -12,14 +12,16 @@ position (:class:`Progress`, the sampler) to that of the :class:`TrainMeta` it r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from elastic_rt.checkpoint import Checkpointer
 from elastic_rt.layout import Layout
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.context import Context
 from elastic_rt.worker.trainers.meta import TrainMeta
 from elastic_rt.worker.trainers.runtime_step import ReplicatedStep
+
+if TYPE_CHECKING:  # a job without checkpoints never loads torch.distributed.checkpoint
+    from elastic_rt.checkpoint import Checkpointer
 
 BuildFn = Callable[[Layout], Any]
 """Returns a :class:`TrainState`, or a :class:`SteppedModel` when ``step`` is None."""
