@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import elastic_rt as ert
+from elastic_rt.harness.pace import SimulatedCompute
 
 VOCAB = 128  # ASCII
 CORPUS_CHARS = 2_000_000  # 2 MB: CPython 3.11's first 74 source files by name (__future__ to io)
@@ -237,6 +238,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint", default=None, help="checkpoint URL (path, file://, s3://)")
     p.add_argument("--every", type=int, default=50, help="checkpoint every this many steps")
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (s)")
+    p.add_argument("--step-time-until", default=None, metavar="FILE",
+                   help="simulate compute only until FILE exists (tests hold a slow pace so)")
     p.add_argument("--out", default=None, help="folder: each rank writes its parameters there")
     return p.parse_args()
 
@@ -253,14 +256,14 @@ def main() -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"{n_params:,} parameters", flush=True)
     began = time.perf_counter()
+    compute = SimulatedCompute(args.step_time, args.step_time_until)
 
     def build(layout: ert.Layout) -> ert.ModelDescription:
         # the same model for every layout: the runtime cuts it
         return describe(**sizes, dtype=dtype, sequence_parallel=args.sequence_parallel)
 
     def report(step: ert.StepReport) -> None:
-        if args.step_time:
-            time.sleep(args.step_time)  # simulated compute, so a test can kill mid-run
+        compute()  # simulated compute, so a test can kill mid-run
         if ert.context().rank == 0 and (step.step % 20 == 0 or step.step in (1, 5, 10)):
             print(f"step {step.step} loss {step.loss:.4f} layout {ert.context().layout} "
                   f"{time.perf_counter() - began:.0f} s", flush=True)

@@ -15,6 +15,7 @@ import time
 import torch
 
 import elastic_rt as ert
+from elastic_rt.harness.pace import SimulatedCompute
 
 
 class Regression(torch.utils.data.Dataset):
@@ -48,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64, help="hidden units (the model's size)")
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--step-time", type=float, default=0.0, help="simulated extra compute per step")
+    p.add_argument("--step-time-until", default=None, metavar="FILE",
+                   help="simulate compute only until FILE exists (tests hold a slow pace so)")
     p.add_argument("--checkpoint", default=None, help="URL for checkpoints (optional)")
     p.add_argument("--every", type=int, default=20)
     p.add_argument("--out", default=None, help="rank 0 writes the final parameters here")
@@ -81,6 +84,7 @@ def main() -> None:
         raise SystemExit("--out writes rank 0's whole model: use it without --max-shard")
     torch.set_default_dtype(getattr(torch, args.dtype))
     hook_calls: list[int] = []
+    compute = SimulatedCompute(args.step_time, args.step_time_until)
 
     def build(layout: ert.Layout) -> ert.TrainState:
         """Model and optimizer; called once per worker (survivors keep theirs)."""
@@ -96,8 +100,7 @@ def main() -> None:
 
     def train_step(state: ert.TrainState, batch) -> torch.Tensor:
         x, y = batch
-        if args.step_time:
-            time.sleep(args.step_time)
+        compute()
         ctx = ert.context()
         if ctx.step == args.fail_at_step and ctx.rank == 0:
             x = x[:, :-1]  # a user bug: the model's first layer gets the wrong width

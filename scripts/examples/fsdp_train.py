@@ -14,11 +14,11 @@ run without failures.
 
 import argparse
 import os
-import time
 
 import torch
 
 import elastic_rt as ert
+from elastic_rt.harness.pace import SimulatedCompute
 from torch.distributed.tensor import DTensor
 
 
@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-shard", type=int, default=64,
                    help="most ranks one copy of the state is sharded over (nproc-per-node: HSDP)")
     p.add_argument("--step-time", type=float, default=0.0, help="simulated extra compute per step")
+    p.add_argument("--step-time-until", default=None, metavar="FILE",
+                   help="simulate compute only until FILE exists (tests hold a slow pace so)")
     p.add_argument("--checkpoint", default=None, help="URL for checkpoints (optional)")
     p.add_argument("--every", type=int, default=20)
     p.add_argument("--peer-copy-every", type=int, default=1,
@@ -65,6 +67,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    compute = SimulatedCompute(args.step_time, args.step_time_until)
 
     def build(layout: ert.Layout) -> ert.TrainState:
         """A plain model and optimizer, as for data parallelism; the runtime shards them."""
@@ -73,8 +76,7 @@ def main() -> None:
 
     def train_step(state: ert.TrainState, batch) -> torch.Tensor:
         x, y = batch
-        if args.step_time:
-            time.sleep(args.step_time)
+        compute()
         return torch.nn.functional.mse_loss(state.model(x), y)
 
     checkpoint = (ert.Checkpointer(args.checkpoint, every_steps=args.every)

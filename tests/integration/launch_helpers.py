@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 from elastic_rt.events import Event, read_events
-from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env
+from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env, wait_until
 
 TORCHRUN_SCRIPT = str(REPO / "scripts" / "examples" / "torchrun_ddp.py")
 TRAIN_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
@@ -23,14 +24,23 @@ def launch_args(endpoint: str, run_id: str, nnodes: str, events: Path, *, node_i
     ]  # fmt: skip
 
 
-def scrape(url: str) -> dict[tuple[str, str], float]:
-    """A Prometheus endpoint's samples as {(name, cause or source label): value}."""
+def scrape(url: str, timeout: float = 30) -> dict[tuple[str, str], float]:
+    """A Prometheus endpoint's samples as {(name, cause or source label): value}.
+
+    A read that fails (seen once: a reset mid-response on a loaded box) is tried again
+    until ``timeout``: the endpoint serves a snapshot, so a later read is as good."""
     from urllib.request import urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urlopen(url, timeout=5) as response:
-        text = response.read().decode()
+    def read() -> str | None:
+        try:
+            with urlopen(url, timeout=5) as response:
+                return response.read().decode()
+        except OSError:
+            return None
+
+    text = wait_until(read, timeout, f"a read of {url}")
     return {(s.name, s.labels.get("cause", s.labels.get("source", ""))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples
             if "le" not in s.labels}
@@ -50,6 +60,24 @@ def progress(path: Path) -> list[dict]:
 
 def events(path: Path) -> list[Event]:
     return list(read_events(str(path)))
+
+
+def release_pace_when_training(events_file: Path, release: Path, node: str,
+                               since: Callable[[Event], bool] = lambda e: True,
+                               timeout: float = 180) -> None:
+    """Create ``release`` (the examples' ``--step-time-until``) once ``node``'s workers have
+    completed a step after the first event matching ``since``: the job kept its slow pace only
+    so that ``node``, starting late, came in before the end. (Not the round's own event: the
+    agent that forms a round writes it, and a round listing ``node`` can form just before the
+    one that takes it back.)"""
+    def training() -> bool:
+        log = events(events_file)
+        start = next((i for i, e in enumerate(log) if since(e)), None)
+        return start is not None and any(e.name == "step.completed" and e.node == node
+                                         for e in log[start:])
+
+    wait_until(training, timeout, f"{node}'s workers training")
+    release.touch()
 
 
 def exit_code(node: subprocess.Popen[bytes], timeout: float, log: Path, events_file: Path) -> int:

@@ -37,7 +37,8 @@ from elastic_rt.events import Event
 from elastic_rt.harness import REPO, child_env, wait_until
 from tests.fixtures.described_reference import TINY_FLAGS, assert_outputs_equal_reference
 from tests.fixtures.processes import ProcessTree
-from tests.integration.launch_helpers import events, exit_code, launch_args
+from tests.integration.launch_helpers import (events, exit_code, launch_args,
+                                              release_pace_when_training)
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
@@ -82,11 +83,13 @@ def test_a_node_lost_is_replanned_and_ends_equal_to_one_process(
     workers: tuple[int, int], first: str, after: str, grow: bool,
 ) -> None:
     # Growing takes b2 ~7 s on this machine (start, build ahead, last call): longer, slower
-    # steps give it room (~25 s) before the job ends.
+    # steps give it room (~25 s) before the job ends, slow only until it is admitted.
     steps, step_time = (80, 0.3) if grow else (40, 0.1)
     sharded = "--max-shard" in flags
     checkpoints = "--every" in flags  # written, yet the copies are newer
+    released = tmp_path / "pace-released"
     script = [*flags.split(), "--steps", str(steps), "--step-time", str(step_time),
+              "--step-time-until", str(released),
               *(["--checkpoint", str(tmp_path / "ckpt")] if checkpoints else [])]
     nodes = {name: _node(process_tree, etcd_server, run_id, tmp_path, name, nproc, script)
              for name, nproc in zip("ab", workers)}
@@ -102,6 +105,7 @@ def test_a_node_lost_is_replanned_and_ends_equal_to_one_process(
         # a new node under a new id: the job grows back to four ranks
         nodes["b2"] = _node(process_tree, etcd_server, run_id, tmp_path, "b2", workers[1],
                             script)
+        release_pace_when_training(tmp_path / "events.jsonl", released, "b2")
         want.append(first)
     for name in nodes.keys() - {"b"}:
         assert exit_code(nodes[name], 180, tmp_path / f"{name}.log",

@@ -37,19 +37,21 @@ from elastic_rt.rendezvous.registry import RunRegistry
 from scripts.examples import fsdp_train as ft
 from tests.fixtures.fsdp_reference import reference_params
 from tests.fixtures.processes import ProcessTree
-from tests.integration.launch_helpers import events, launch_args
+from tests.integration.launch_helpers import events, launch_args, release_pace_when_training
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
 SCRIPT = str(REPO / "scripts" / "examples" / "fsdp_train.py")
 GLOBAL_BATCH, WIDTH, HIDDEN = 12, 32, 64
+RELEASED = "pace-released"
 
 
 def _node(tree: ProcessTree, etcd_server, run_id: str, tmp: Path, name: str, extra: list[str],
           case: Case):
     args = launch_args(etcd_server.endpoint, run_id, f"1:{len(case.nodes)}",
                        tmp / "events.jsonl", node_id=name, nproc=case.nproc)
-    script = [SCRIPT, "--steps", str(case.steps), "--step-time", "0.1", *extra,
+    script = [SCRIPT, "--steps", str(case.steps), "--step-time", "0.1",
+              "--step-time-until", str(tmp / RELEASED), *extra,
               "--global-batch", str(GLOBAL_BATCH), "--out", str(tmp / "out")]
     return tree.elastic_rt(*args, *script, env=child_env(), log=str(tmp / f"{name}.log"))
 
@@ -85,7 +87,7 @@ class Case:
     joins: str = ""  # when c starts: "before the kill" (admitted with the recovery round or
     # the next one, as the agents decide) or "after the recovery" (a growth round of its own)
     nproc: int = 2
-    steps: int = 200  # at 0.1 s: room after the kill for c's workers to start and join
+    steps: int = 200  # at 0.1 s until c is admitted: room for c's workers to start and join
 
 
 CKPT = ["--checkpoint", "CKPT"]
@@ -131,6 +133,8 @@ def test_node_loss_and_growth_reshard_in_place_and_end_like_a_clean_run(
         wait_until(lambda: _restored(tmp_path, "a", case.restored_from), 120, "a's recovery")
         nodes["c"] = _node(process_tree, etcd_server, run_id, tmp_path, "c", extra, case)
     survivors = "ac" if case.joins else "a"
+    if case.joins:
+        release_pace_when_training(tmp_path / "events.jsonl", tmp_path / RELEASED, "c")
     for node in survivors:
         assert nodes[node].wait(timeout=180) == 0, (tmp_path / f"{node}.log").read_text()[-3000:]
 

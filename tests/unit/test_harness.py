@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import signal
+import time
 import sys
 from pathlib import Path
 
@@ -95,3 +96,18 @@ def test_library_and_agents_never_import_the_harness() -> None:
                        for n in names):
                     offenders.append(str(path.relative_to(REPO)))
     assert not offenders
+
+
+def test_simulated_compute_pauses_until_its_release_file_exists(tmp_path: Path) -> None:
+    from elastic_rt.harness.pace import SimulatedCompute
+
+    release = tmp_path / "released"
+    compute = SimulatedCompute(0.05, str(release))
+    began = time.monotonic()
+    compute()
+    assert time.monotonic() - began >= 0.05 and not compute.released
+    release.touch()
+    began = time.monotonic()
+    for _ in range(100):
+        compute()
+    assert compute.released and time.monotonic() - began < 0.05
