@@ -29,10 +29,10 @@ class Liveness(enum.Enum):
 class AliveServer:
     """Answers ``ok`` to every connection, from a daemon thread."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
+        self._sock.bind((host, port))
         self._sock.listen(64)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._thread = threading.Thread(target=self._serve, name="alive-server", daemon=True)

@@ -1,4 +1,4 @@
-"""Heartbeats between agents: a hung node is evicted 0.4-0.5 s after it stops, long
+"""Heartbeats between agents: a hung node is evicted 0.5-0.6 s after it stops, long
 before its lease expires (5 s by default), for N probes per interval in a job of N.
 
 A SIGSTOPped (hung) node keeps its etcd lease until the TTL runs out (5 s by default)
@@ -19,10 +19,12 @@ joins again like a new one.
 Why these defaults (interval 0.1 s, 4 misses: 0.4 s of silence): on this 2-core box,
 with four CPU hogs beside the agents (load average 4.5), an idle liveness socket
 answered in 0.5 ms at the median, 84 ms at p99 and 100 ms at most over 175 probes;
-0.4 s is four times the worst answer seen, and a hung node is evicted 0.4-0.5 s after
-it stops. A probe that answers late still counts as an answer: only a probe that
-fails *after* the silence window has passed evicts, so a watcher that was itself
-starved of CPU never blames its peer.
+0.4 s is four times the worst answer seen, and a hung node is evicted 0.5-0.6 s after
+it stops (the window, then one last probe of an interval just before the eviction). A
+probe that answers late still counts as an answer: only a probe that fails *after* the
+silence window has passed evicts, so a watcher that was itself starved of CPU never
+blames its peer; and a peer that answers the last probe stays, so neither does a
+watcher that was cut off from the network for a moment.
 """
 
 from __future__ import annotations
@@ -189,6 +191,16 @@ class Heartbeat:
         # below its minimum and lose its state that way).
         latest = self.registry.current_round()
         if latest is not None and latest.number > watch.round.number:
+            return
+        # Nor while the peer answers now. A watcher cut off for about a second misses the
+        # others' notice (they have not formed a round without it yet) but its etcd reads
+        # above waited until its link came back: if the peer answers one more probe, the
+        # silence was this node's own (a soak saw such a node evict the healthy holder of
+        # the state's other copy). A truly hung peer costs one more interval.
+        if liveness is Liveness.UNKNOWN and probe(
+                watch.info.alive_addr, timeout=self.config.interval_s) is Liveness.ALIVE:
+            watch.last_answer, watch.is_done = time.monotonic(), False
+            logger.info("%s answered again before its eviction: kept", current.node_id)
             return
         silent_s = time.monotonic() - watch.last_answer
         self.registry.evict(current)

@@ -7,6 +7,8 @@ stopping a process. A refused port is an agent that is gone.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -19,7 +21,9 @@ import pytest
 from agents.alive import AliveServer
 from agents.heartbeat import Heartbeat
 from elastic_rt.config import HeartbeatConfig
+from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.events import EventSink
+from elastic_rt.harness import wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.rendezvous.rounds import NodeInfo, Round
@@ -133,3 +137,55 @@ def test_a_watcher_whose_round_is_gone_evicts_nobody(registry: RunRegistry,
     finally:
         heartbeat.stop()
     assert registry.node("b") is not None
+
+
+def test_a_watcher_cut_off_for_a_moment_keeps_a_peer_that_answers_once_it_is_back(
+    fresh_etcd: EtcdServer, run_id: str, tmp_path: Path
+) -> None:
+    """A cut-off watcher hears nothing from its peer *and* cannot reach etcd; the others have
+    not yet formed a round without it when its link comes back. Here etcd is SIGSTOPped while
+    b's port stays silent past the window (a's eviction then waits on its etcd reads), and b
+    answers again before etcd does: b, healthy all along, must stay. (Before the last probe
+    was added, a evicted b here; a soak lost its state that way.)"""
+    kv = EtcdKV(fresh_etcd.endpoint)
+    registry = RunRegistry(kv, run_id)
+    hung = socket.socket()
+    hung.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)  # silent: the kernel accepts, nobody answers
+    port = hung.getsockname()[1]
+    answering: list[AliveServer] = []
+    answering_never: list[socket.socket] = []
+    try:
+        _register_b(registry, f"127.0.0.1:{port}")
+        heartbeat, evicted = _watch_from_a(registry, tmp_path)
+        try:
+            hung.settimeout(0.05)  # a's first probe arrives once a read b's registration
+            probe, _ = wait_until(lambda: _accepted(hung), 10, "a's first probe of b")
+            answering_never.append(probe)  # held open, unanswered (closed, it reads as dead)
+            assert fresh_etcd.pid is not None
+            os.kill(fresh_etcd.pid, signal.SIGSTOP)  # a's link "cut": etcd unreachable
+            try:  # the cut lasts three windows: a's eviction waits on etcd
+                time.sleep(CONFIG.window_s * 3)
+                hung.close()  # the link is back: b answers on the same port
+                answering.append(AliveServer(port=port))
+            finally:
+                os.kill(fresh_etcd.pid, signal.SIGCONT)
+            assert not evicted.wait(CONFIG.window_s * 5), "a evicted b, which answered"
+        finally:
+            heartbeat.stop()
+        assert registry.node("b") is not None
+    finally:
+        hung.close()
+        for server in answering:
+            server.close()
+        for conn in answering_never:
+            conn.close()
+        kv.close()
+
+
+def _accepted(server: socket.socket) -> tuple[socket.socket, object] | None:
+    try:
+        return server.accept()
+    except (socket.timeout, BlockingIOError):
+        return None
