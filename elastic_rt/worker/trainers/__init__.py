@@ -56,8 +56,9 @@ def choose(*, build: BuildFn, step: StepFn | None, limits: ModelLimits, options:
     Raises:
         ConfigError: ``peer_copy_every`` is negative (sharded and runtime-parallel families).
     """
-    # The other families are imported here, not above: torch's pipelining (with dynamo) and
-    # FSDP cost a data-parallel worker's start 0.5-1 s that it never uses.
+    # The other families are imported here, not above: FSDP and torch's pipelining (with
+    # dynamo) would cost a data-parallel worker's start 0.6 s and 1.1 s it never uses
+    # (scripts/bench/worker_import.py, this 2-core machine).
     if model_parallel is not None:
         from elastic_rt.worker.trainers.runtime_parallel.trainer import RuntimeParallelTrainer
 
