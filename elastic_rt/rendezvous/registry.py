@@ -65,6 +65,7 @@ LEADER = "round-leader"
 ALARM = "round-alarm"
 COMPLETING = "round-completing"
 IN_PROCESS = "round-in-process"
+PROGRESS = "progress"
 CLOSED = "round-closed"
 LEAVING = "leaving/"
 FAILURE_CLAIMS_KEPT = 16
@@ -129,6 +130,7 @@ def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
     closed = items.get(CLOSED)
     alarm = items.get(ALARM)
     return Snapshot(
+        trained_round=trained_round(items.get(PROGRESS)) if nodes_known else None,
         round=decoded_round(round_kv.value, round_kv.mod_revision) if round_kv else None,
         nodes=nodes,
         closed=closed.value.decode() if closed else None,
@@ -137,6 +139,15 @@ def snapshot_from(items: Mapping[str, KeyValue], *, nodes_known: bool = True,
         alarm=(int(json.loads(alarm.value)["round"]), alarm.mod_revision) if alarm else None,
         nodes_known=nodes_known,
     )
+
+
+def trained_round(progress: KeyValue | None) -> int:
+    """The round of the run's last published step (-1: none yet, or a value not understood)."""
+    try:
+        data = json.loads(progress.value) if progress is not None else None
+        return int(data["round"]) if isinstance(data, dict) else -1
+    except (ValueError, KeyError, TypeError):
+        return -1
 
 
 def _round_of(key: str, prefix: str) -> int | None:
@@ -415,7 +426,7 @@ class RunRegistry(RunRequests):
 
     def progress(self) -> dict[str, object] | None:
         """The job's last published step (see the ``progress`` key), or None."""
-        item = self.kv.get(self.key("progress"))
+        item = self.kv.get(self.key(PROGRESS))
         try:
             data = json.loads(item.value) if item else None
         except ValueError:

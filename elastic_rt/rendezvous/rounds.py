@@ -158,6 +158,9 @@ class Snapshot:
     """The run's workers recover in place (an agent saw them say so)."""
     nodes_known: bool = True
     """False for a follower, whose view holds no registrations: ``nodes`` is empty."""
+    trained_round: int | None = None
+    """The newest round in which the ranks completed a step (rank 0's ``progress`` key); -1
+    before the first; None where not known (a follower's view), which holds back nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +240,15 @@ def decide(
         if i_am_member:
             return Participate(current)
         return Wait(SPARE)
+    if not paused and not lost and not trained_in(snapshot, current):
+        # An admission waits until the current round has trained a step. A round that only
+        # adds ranks does not cut the members' waits short (worker/abort.py), so a newer one
+        # formed while this one's ranks are still joining split them: a rank starting late
+        # joined the newest round while the others waited for it in this one's rendezvous
+        # (a soak stalled 24 s so, until a leave timeout dropped a node).
+        if i_am_member:
+            return Participate(current)
+        return Wait(f"waiting for round {current.number} to train before admitting more nodes")
     members = next_members(current, snapshot.nodes, limits.max_nodes)
     short = f"{len(members)} of at least {limits.min_nodes} nodes left"
     if len(members) < limits.min_nodes:
@@ -254,6 +266,13 @@ def decide(
                     restarts=current.restarts),
         expected_token=current.token,
     )
+
+
+def trained_in(snapshot: Snapshot, round_: Round) -> bool:
+    """Whether ``round_``'s ranks have completed a step (or it need not be known: workers
+    restarted every round, or a view without the run's progress)."""
+    return (not snapshot.in_process or snapshot.trained_round is None
+            or snapshot.trained_round >= round_.number)
 
 
 def is_paused(round_: Round, limits: Limits) -> bool:

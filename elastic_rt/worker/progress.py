@@ -79,6 +79,7 @@ class ProgressPublisher:
         self.registry = registry
         self.every_s = every_s
         self._published = float("-inf")
+        self._round = -1
         self._pending: dict[str, tuple[str, int]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -88,11 +89,13 @@ class ProgressPublisher:
 
     def publish(self, *, step: int, round_: int, token: int, clock: StepClock,
                 force: bool = False) -> None:
-        """Hand over the step if ``every_s`` passed since the last one (or ``force``)."""
+        """Hand over the step if ``every_s`` passed since the last one, or it is a round's
+        first (the leader admits more nodes once the round has trained: ``rounds.decide``),
+        or ``force``."""
         now = time.monotonic()
-        if not force and now - self._published < self.every_s:
+        if not force and now - self._published < self.every_s and round_ == self._round:
             return
-        self._published = now
+        self._published, self._round = now, round_
         rate = clock.steps_per_s()
         value = {"round": round_, "step": step, "ms": int(time.time() * 1000),
                  "steps_per_s": None if rate is None else round(rate, 3)}

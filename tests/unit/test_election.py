@@ -91,3 +91,21 @@ def test_a_change_is_applied_once() -> None:
     view.apply([put(round_kv(("a",), 13, number=5))])  # a replay of revision 13
     snapshot = view.snapshot()
     assert snapshot.round is not None and snapshot.round.number == 1
+
+
+def test_the_leader_reads_which_round_trained_last_from_the_runs_progress() -> None:
+    """Rank 0's ``progress`` key says the round of the last step; an in-process admission
+    waits for it (``rounds.decide``). A follower's view does not hold it."""
+    view = leader_view()
+    view.apply([put(node("b", 11)), put(round_kv(("a", "b"), 12, number=4)),
+                put(kv("round-in-process", b"1", 12))])
+    assert view.snapshot().trained_round == -1
+    view.apply([put(node("c", 13))])
+    current = view.snapshot().round
+    assert current is not None
+    assert decide(view.snapshot(), "a", LIMITS, now=0.0, quorum_since=None) == Participate(current)
+    view.apply([put(kv("progress", b'{"round": 4, "step": 9}', 14))])
+    assert view.snapshot().trained_round == 4
+    action = decide(view.snapshot(), "a", LIMITS, now=0.0, quorum_since=None)
+    assert isinstance(action, Propose) and action.round.members == ("a", "b", "c")
+    assert follower_view().snapshot().trained_round is None

@@ -57,3 +57,30 @@ def test_watchdog_reports_a_stall_once_and_rearms_on_the_next_step() -> None:
         assert len(reports) == 2
     finally:
         watchdog.close()
+
+
+def test_a_rounds_first_step_is_published_at_once_the_rest_at_most_every_interval() -> None:
+    """The leader admits more nodes once the current round has trained (``rounds.decide``):
+    the first step of each round must not wait out the interval."""
+    from elastic_rt.worker.progress import ProgressPublisher
+
+    class Registry:
+        def __init__(self) -> None:
+            self.rounds: list[int] = []
+
+        def commit_fenced(self, name: str, value: bytes, token: int) -> None:
+            import json
+
+            self.rounds.append(json.loads(value)["round"])
+
+    registry = Registry()
+    publisher = ProgressPublisher(registry, every_s=60.0)  # type: ignore[arg-type]
+    try:
+        clock = StepClock()
+        for round_, step in ((1, 1), (1, 2), (2, 3), (2, 4), (3, 5)):
+            publisher.publish(step=step, round_=round_, token=1, clock=clock)
+            wait_until(lambda: registry.rounds[-1:] == [round_] or step in (2, 4), 5,
+                       f"step {step} handed over")
+    finally:
+        publisher.close()
+    assert registry.rounds == [1, 2, 3]

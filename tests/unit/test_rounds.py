@@ -319,3 +319,36 @@ def test_round_and_node_records_round_trip_through_json() -> None:
 def test_a_corrupt_record_is_a_store_state_error(raw: bytes) -> None:
     with pytest.raises(StoreStateError):
         Round.from_json(raw)
+
+
+# admissions wait for a round that trained ---------------------------------------------
+@pytest.mark.parametrize("trained_round, admits", [(-1, False), (2, False), (3, True),
+                                                   (None, True)])
+def test_an_in_process_admission_waits_until_the_current_round_has_trained(
+    clock: FakeClock, trained_round: int | None, admits: bool
+) -> None:
+    """A newcomer is admitted once round 3's ranks completed a step: a newer round formed
+    while they still join would split them (the soak's 24 s stall). None: not known (a
+    follower's view), nothing held back."""
+    current = round_of("a", "b", number=3)
+    snapshot = Snapshot(round=current, nodes=nodes("a", "b", "c"), in_process=True,
+                        trained_round=trained_round)
+    action = decide_at(clock, snapshot, "a")
+    if admits:
+        assert isinstance(action, Propose) and action.round.members == ("a", "b", "c")
+    else:
+        assert action == Participate(current)
+        assert isinstance(decide_at(clock, snapshot, "c"), Wait)
+
+
+def test_a_loss_or_restart_mode_is_never_held_back_by_an_untrained_round(
+    clock: FakeClock
+) -> None:
+    lost = Snapshot(round=round_of("a", "b", "c", number=3), nodes=nodes("a", "b", "d"),
+                    in_process=True, trained_round=2)
+    action = decide_at(clock, lost, "a")
+    assert isinstance(action, Propose) and action.round.members == ("a", "b", "d")
+    restarts = dataclasses.replace(lost, round=round_of("a", "b", number=3),
+                                   nodes=nodes("a", "b", "c"), in_process=False)
+    action = decide_at(clock, restarts, "a")
+    assert isinstance(action, Propose) and action.round.members == ("a", "b", "c")
