@@ -9,8 +9,9 @@ package (config, rendezvous, events) and must not pay for, or depend on, torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from elastic_rt.lazy_names import resolve
 
 _EXPORTS = {
     "Checkpointer": "elastic_rt.checkpoint",
@@ -36,7 +37,4 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elastic_rt' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return resolve(__name__, _EXPORTS, name)
