@@ -133,9 +133,14 @@ def _grow_back(state: AgentState, round_: Round, obs: Observation, settings: Set
 
     With standby workers that have announced themselves they join at the survivors'
     next step boundary; with none (they did not start in time), the round restarts ours.
+    Like an admission (``rounds.decide``) it waits until ``round_`` has trained a step,
+    unless it has no ranks that could: a round that only adds ranks, formed while the
+    current one's ranks still join, splits them between the two.
     """
     me = settings.node_id
     if snapshot.completing or round_.nprocs[round_.group_rank(me)] >= settings.nproc:
+        return None
+    if sum(round_.nprocs) > 0 and not rounds.trained_in(snapshot, round_):
         return None
     ready = state.phase is Phase.STANDBY and _follow(obs)
     idle = state.phase is Phase.IDLE and obs.workers is WorkerState.IDLE

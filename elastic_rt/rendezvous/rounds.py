@@ -261,9 +261,14 @@ def decide(
     reason = f"lost {','.join(lost)}" if lost else f"admitting {admitting}"
     if paused:
         reason = f"resumed with {len(members)} nodes"
+    # In a job that recovers in place the members keep the ranks they train with: a
+    # member whose workers are being replaced asks for its ranks back once they are
+    # ready (agents' ``running._grow_back``); giving them back here would make the
+    # round wait for their import. A paused round's workers stopped: all start anew.
+    keeping = current if snapshot.in_process and not paused else None
     return Propose(
         _make_round(current.number + 1, members, snapshot.nodes, reason, now_ms,
-                    restarts=current.restarts),
+                    restarts=current.restarts, ranks_from=keeping),
         expected_token=current.token,
     )
 
@@ -332,12 +337,15 @@ def next_members(
 
 def _make_round(
     number: int, members: tuple[str, ...], nodes: Mapping[str, NodeInfo], reason: str, now_ms: int,
-    *, restarts: int = 0
+    *, restarts: int = 0, ranks_from: Round | None = None
 ) -> Round:
+    """``ranks_from``: a round whose members keep the ranks they have in it; the others
+    (newcomers, or every member without it) contribute the ranks they registered."""
+    kept = dict(zip(ranks_from.members, ranks_from.nprocs)) if ranks_from else {}
     return Round(
         number=number,
         members=members,
-        nprocs=tuple(nodes[m].nproc for m in members),
+        nprocs=tuple(kept.get(m, nodes[m].nproc) for m in members),
         hosts=tuple(nodes[m].host for m in members),
         reason=reason,
         created_ms=now_ms,

@@ -413,6 +413,15 @@ STANDBY = AgentState(phase=Phase.STANDBY, round=dataclasses.replace(WITHOUT_A, n
                       acks=(-1,)), False),
     # our ranks are in the round already
     (STANDBY, observe(acks=(-1,)), False),
+    # round 2 has not trained a step yet: its ranks may still be joining
+    (STANDBY, observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b"), in_process=True,
+                               trained_round=1), acks=(-1,)), False),
+    (STANDBY, observe(Snapshot(round=WITHOUT_A, nodes=nodes("a", "b"), in_process=True,
+                               trained_round=2), acks=(-1,)), True),
+    # a round without ranks cannot train: grow back at once
+    (STANDBY, observe(Snapshot(round=dataclasses.replace(WITHOUT_A, nprocs=(0, 0)),
+                               nodes=nodes("a", "b"), in_process=True, trained_round=1),
+                      acks=(-1,)), True),
 ])
 def test_a_node_whose_workers_were_replaced_asks_for_its_ranks_back(
         state: AgentState, obs: Observation, grows_back: bool) -> None:
@@ -421,7 +430,7 @@ def test_a_node_whose_workers_were_replaced_asks_for_its_ranks_back(
     assert bool(proposals) == grows_back, decision.actions
     if grows_back:
         (back,) = proposals
-        assert (back.proposal.round.nprocs, back.proposal.round.number) == ((1, 1), 3)
+        assert (back.proposal.round.nprocs[0], back.proposal.round.number) == (1, 3)
         assert back.proposal.expected_token == WITHOUT_A.token
 
 

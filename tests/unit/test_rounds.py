@@ -352,3 +352,27 @@ def test_a_loss_or_restart_mode_is_never_held_back_by_an_untrained_round(
                                    nodes=nodes("a", "b", "c"), in_process=False)
     action = decide_at(clock, restarts, "a")
     assert isinstance(action, Propose) and action.round.members == ("a", "b", "c")
+
+
+def test_in_process_members_keep_their_ranks_when_a_round_admits_or_loses(
+    clock: FakeClock
+) -> None:
+    """b's workers are being replaced (no ranks): an admission or a loss keeps it so,
+    since the round would otherwise wait for the replacements' import (b asks for its
+    ranks back itself once they are ready). A resumed paused round starts every worker
+    anew, and in restart mode every round does: those take the registered ranks."""
+    current = dataclasses.replace(round_of("a", "b", "c", number=3), nprocs=(1, 0, 1))
+    admitting = Snapshot(round=current, nodes=nodes("a", "b", "c", "d"), in_process=True,
+                         trained_round=3)
+    action = decide_at(clock, admitting, "a")
+    assert isinstance(action, Propose) and action.round.nprocs == (1, 0, 1, 1)
+    losing = dataclasses.replace(admitting, nodes=nodes("a", "b"))
+    action = decide_at(clock, losing, "a")
+    assert isinstance(action, Propose) and action.round.nprocs == (1, 0)
+    restarting = dataclasses.replace(admitting, in_process=False)
+    action = decide_at(clock, restarting, "a")
+    assert isinstance(action, Propose) and action.round.nprocs == (1, 1, 1, 1)
+    paused = dataclasses.replace(current, members=("b",), nprocs=(0,), hosts=("h-b",))
+    resumed = dataclasses.replace(admitting, round=paused, nodes=nodes("b", "d"))
+    action = decide_at(clock, resumed, "b")
+    assert isinstance(action, Propose) and action.round.nprocs == (1, 1)
