@@ -103,11 +103,17 @@ of ``state.landed``; where a run does not report it, to the state landing, the s
 out done), against one TCP connection over loopback measured at the start (best of three),
 and against the same measured while the members train, just before c starts: on two cores
 the stream shares them with two training workers, which a cluster's nodes do not.
+``--cores-per-node`` (root) simulates those nodes: each node's agent and workers run in a
+cgroup of that many CPUs, three at 0.6 fitting the two cores, so no node's step takes
+another's CPU and a step keeps its time when the job grows; the loopback baselines are
+then measured in a process held to two nodes' share (a sender's and a receiver's).
 
 Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
       python scripts/bench/recovery.py --cases inproc-kill inproc-join --state-mb 1200
       python scripts/bench/recovery.py --quick           # 1 repeat, no torchrun-default
       python scripts/bench/recovery.py --cases inproc-kill torchrun-fast --repeats 5
+      python scripts/bench/recovery.py --cases inproc-join --state-mb 1200 --kill-step 8 \
+          --cores-per-node 0.6 --start-timeout 300   # a join at 1.2 GB, nodes of 0.6 CPU
       python scripts/bench/recovery.py --cases inproc-fsdp-kill --state-mb 1200 \
           --kill-step 8 --ckpt-every 5 --start-timeout 300   # FSDP at 1.2 GB: ~6 s a step
 """
@@ -115,9 +121,11 @@ Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -133,6 +141,7 @@ from elastic_rt.config import COLLECTIVE_TIMEOUT_ENV
 from elastic_rt.etcd_server import EtcdServer, free_port
 from elastic_rt.events import read_events
 from elastic_rt.harness import PYTHON, REPO, ProcessLedger, child_env, wait_until
+from elastic_rt.harness.cpu_limit import cgroup_cpu_reason, cpu_quota
 from elastic_rt.rendezvous.rounds import SPARE
 
 ELASTIC_SCRIPT = str(REPO / "scripts" / "examples" / "elastic_train.py")
@@ -271,6 +280,8 @@ class Job:
         self.nodes: dict[str, int] = {}
         self.run_id = f"bench-{case.name}-{uuid.uuid4().hex[:6]}"
         self.store_port = free_port()
+        self.quotas = contextlib.ExitStack()
+        """Each node's CPU quota (``--cores-per-node``), lifted by :meth:`release`."""
 
     def start(self) -> None:
         for node in NODES:
@@ -280,8 +291,15 @@ class Job:
     def _start_node(self, node: str) -> float:
         stamp = time.time()
         proc = self.procs.start(self._command(node), env=self._env(), log=self.work / f"{node}.log")
+        if self.args.cores_per_node:
+            # Moved before its workers exist (the agent imports first): they start inside.
+            self.quotas.enter_context(cpu_quota(self.args.cores_per_node)).append(proc.pid)
         self.nodes[node] = proc.pid
         return stamp
+
+    def release(self) -> None:
+        """Lift the nodes' CPU quotas (after their processes are stopped)."""
+        self.quotas.close()
 
     def _script(self) -> list[str]:
         a = self.args
@@ -364,8 +382,8 @@ class Job:
         victim_tree = self.procs.tree(self.nodes[VICTIM]) if VICTIM in self.nodes else []
         old_pids = {p.pid for pid in self.nodes.values() for p in self.procs.tree(pid)}
         fault_round = max((r.round or 0) for r in self.poll())
-        busy_loopback = (loopback_rate() if self.case.in_process and self.case.fault == "join"
-                         else None)
+        busy_loopback = (_loopback(a.cores_per_node)
+                         if self.case.in_process and self.case.fault == "join" else None)
         stamp = self._fault(victim_tree, fault_round)
         self._faulted = True
 
@@ -506,6 +524,23 @@ def _step_time(rows: list[Row]) -> float | None:
     return median([b - a for a, b in zip(times, times[1:])])
 
 
+def _loopback(cores: float) -> float:
+    """One loopback TCP connection's rate (:func:`loopback_rate`). With ``cores`` (per
+    node), measured in a process held to two nodes' share, a sender's and a receiver's, as
+    a stream between two nodes would run."""
+    if not cores:
+        return loopback_rate()
+    code = "from _common import loopback_rate; print(loopback_rate())"
+    with cpu_quota(2 * cores) as group:
+        proc = subprocess.Popen([PYTHON, "-c", code], cwd=Path(__file__).parent, env=child_env(),
+                                stdout=subprocess.PIPE, text=True)
+        group.append(proc.pid)  # before it measures: it imports first
+        out, _ = proc.communicate(timeout=300)
+    if proc.returncode:
+        raise RuntimeError(f"the loopback measurement exited with {proc.returncode}")
+    return float(out)
+
+
 def _mb(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 1e6
 
@@ -522,12 +557,14 @@ def run_case(case: Case, args: argparse.Namespace, etcd: EtcdServer | None, root
         work.mkdir(parents=True)
         procs = ProcessLedger()
         began = time.monotonic()
+        job = Job(case, args, procs, etcd, work)
         try:
-            trial = Job(case, args, procs, etcd, work).run_trial()
+            trial = job.run_trial()
         except (TimeoutError, RuntimeError) as exc:
             trial = Trial(None, None, None, None, None, error=str(exc).splitlines()[0])
         finally:
             procs.close()
+            job.release()
         trials.append(trial)
         stream = (f", stream {fmt(_mb(trial.stream_rate), '.0f')} MB/s (loopback beside "
                   f"training {fmt(_mb(trial.busy_loopback), '.0f')} MB/s), members' gap at the "
@@ -628,6 +665,12 @@ def parse_args() -> argparse.Namespace:
                    help="intra-op threads per worker (OMP_NUM_THREADS; 0: torch's default, "
                         "every core, so three simulated nodes oversubscribe the machine; 1 "
                         "gives each its share, as nodes with cores of their own have)")
+    p.add_argument("--cores-per-node", type=float, default=0,
+                   help="hold each node's processes (agent and workers) to this many CPUs "
+                        "(a cgroup quota; needs root), as nodes with cores of their own: at "
+                        "0.6 three nodes fit two cores, so a join no longer slows every "
+                        "step; the loopback baselines are then measured within two nodes' "
+                        "share. 0: no quota, the nodes share the machine's cores")
     p.add_argument("--start-timeout", type=float, default=120)
     p.add_argument("--recover-timeout", type=float, default=150)
     p.add_argument("--keep", action="store_true", help="keep logs and outputs")
@@ -643,22 +686,32 @@ def main() -> int:
         print(f"unknown case(s) {unknown}; choose from {list(known)}", file=sys.stderr)
         return 2
     repeats = 1 if args.quick else args.repeats
+    if args.cores_per_node and cgroup_cpu_reason():
+        print(f"--cores-per-node: {cgroup_cpu_reason()}; run as root or drop the option",
+              file=sys.stderr)
+        return 2
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     state = (f"{args.state_mb:g} MB of replica state "
              f"({args.state_mb * 1e6 / STATE_BYTES_PER_PARAM / 1e6:.1f}M parameters)"
              if args.state_mb else "a 2,000-parameter model")
+    cores = (f"{args.cores_per_node:g} CPUs per node (a cgroup quota each)" if args.cores_per_node
+             else "the nodes share the machine's cores")
     print(f"recovery benchmark: 3 nodes x 1 gloo worker, {state}, fault on node {VICTIM} at step "
           f"{args.kill_step}, step time {args.step_time} s, checkpoint every {args.ckpt_every} "
           f"steps, elastic-rt --lease-ttl {args.lease_ttl}, torchrun-fast --rdzv-conf "
           f"{args.torchrun_fast_conf} --monitor-interval {args.torchrun_fast_monitor}; "
           f"elastic-rt collective timeout {args.collective_timeout:g} s; "
+          f"{cores}; "
           f"load average {os.getloadavg()[0]:.1f}; logs in {root}", flush=True)
     etcd = None
     results: dict[str, list[Trial]] = {}
     loopback = None
     if any(known[n].fault == "join" and known[n].in_process for n in names):
-        loopback = loopback_rate()
-        print(f"loopback TCP, one connection (best of 3): {loopback / 1e6:.0f} MB/s", flush=True)
+        loopback = _loopback(args.cores_per_node)
+        within = (f" within {2 * args.cores_per_node:g} CPUs (two nodes' share)"
+                  if args.cores_per_node else "")
+        print(f"loopback TCP, one connection (best of 3){within}: {loopback / 1e6:.0f} MB/s",
+              flush=True)
     try:
         with interruptible():
             if any(known[n].launcher == "elastic" or known[n].rdzv_backend == "etcd-v3"

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from elastic_rt.harness import child_env, wait_until
-from tests.fixtures.cpu_limit import cgroup_cpu_reason, cpu_quota
+from elastic_rt.harness.cpu_limit import cgroup_cpu_reason, cpu_quota
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, exit_code, train_node
 
