@@ -108,16 +108,29 @@ class _Members(etcd3.MultiEndpointEtcd3Client):
     """
 
     def _clear_old_stubs(self) -> None:
-        """Keep the stubs, and the watcher with its stream, where there is no other member.
+        """Keep the stubs, and the watcher with its stream, where there is no other member;
+        with others, end the dropped watcher's stream.
 
         The client drops them after any call that fails with UNAVAILABLE or
         DEADLINE_EXCEEDED so that the next call goes to another member's channel. With
-        one member the next call uses the same channel, and the dropped watcher's stream
-        lives on half-closed, with its thread, until the connection ends: one more of
-        each for every slow call.
+        one member the next call uses the same channel. Either way the dropped watcher's
+        stream would live on half-closed, with its thread, delivering to the watches it
+        holds until the member's connection ends, while watches armed later open another
+        stream: one more stream and thread for every slow call, on a member that may live
+        for months. Cancelled, its watches hear that their stream ended and arm again on
+        the member now in use.
         """
-        if len(self.endpoints) > 1:
-            super()._clear_old_stubs()
+        if len(self.endpoints) <= 1:
+            return
+        dropped = self._stubs.get("watcher")
+        super()._clear_old_stubs()
+        if dropped is not None:
+            dropped._watch_stub.cancel()
+
+    def get_watcher(self) -> etcd3.watch.Watcher:
+        watcher = super().get_watcher()
+        watcher._watch_stub = _CancellableWatchStub(watcher._watch_stub)
+        return watcher
 
     @property
     def channel(self) -> Any:
@@ -125,6 +138,23 @@ class _Members(etcd3.MultiEndpointEtcd3Client):
         if self.failover and all(e.is_failed() for e in endpoints):
             min(endpoints, key=lambda e: e.last_failed).last_failed = 0
         return super().channel
+
+
+class _CancellableWatchStub:
+    """A watcher's stub that keeps the watch stream it opened, so that whoever drops the
+    watcher can end it (python3-etcd3's watcher keeps no handle to its stream)."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+        self._stream: Any = None
+
+    def Watch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - gRPC's method name
+        self._stream = self._stub.Watch(*args, **kwargs)
+        return self._stream
+
+    def cancel(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
 
 
 class EtcdKV:

@@ -22,6 +22,7 @@ from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import Change, Delete, Get, KVStore, Put
+from tests.fixtures.etcd import put_and_see, watch_threads
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -250,7 +251,7 @@ class TestEtcdKVAcrossRestarts:
             fresh_etcd.restart()
             # The broken stream calls back once; then the re-armed watch sees new writes.
             assert fired.wait(10), "no callback when the watch broke"
-            wait_until(lambda: _put_and_see(kv, fired), 20, "the watch to re-arm")
+            wait_until(lambda: put_and_see(kv, fired), 20, "the watch to re-arm")
             assert kv.get("/restart/before") is not None  # data survived the restart
         finally:
             cancel()
@@ -266,7 +267,7 @@ class TestEtcdKVAcrossRestarts:
         first_fired, second_fired = threading.Event(), threading.Event()
         try:
             cancel_first = kv.on_change("/restart/first/", first_fired.set)
-            wait_until(lambda: _put_and_see(kv, first_fired, "/restart/first/k"), 10,
+            wait_until(lambda: put_and_see(kv, first_fired, "/restart/first/k"), 10,
                        "the first watch to fire")
             assert fresh_etcd.pid is not None
             os.kill(fresh_etcd.pid, signal.SIGSTOP)
@@ -277,7 +278,7 @@ class TestEtcdKVAcrossRestarts:
                 os.kill(fresh_etcd.pid, signal.SIGCONT)
             cancel_second = kv.on_change("/restart/", second_fired.set)
             cancel_first()
-            wait_until(lambda: _put_and_see(kv, second_fired), 10, "the second watch to fire")
+            wait_until(lambda: put_and_see(kv, second_fired), 10, "the second watch to fire")
             first_fired.clear()
             second_fired.clear()
             kv.put("/restart/first/k", b"2")
@@ -295,8 +296,8 @@ class TestEtcdKVAcrossRestarts:
         fired = threading.Event()
         cancel = kv.on_change("/restart/", fired.set)
         try:
-            wait_until(lambda: _put_and_see(kv, fired), 10, "the watch to fire")
-            streams = _watch_threads()
+            wait_until(lambda: put_and_see(kv, fired), 10, "the watch to fire")
+            streams = watch_threads()
             assert fresh_etcd.pid is not None
             for _ in range(3):
                 os.kill(fresh_etcd.pid, signal.SIGSTOP)
@@ -307,9 +308,9 @@ class TestEtcdKVAcrossRestarts:
                     os.kill(fresh_etcd.pid, signal.SIGCONT)
                 again = threading.Event()  # as a round's watch is armed after a failure
                 cancel_again = kv.on_change("/restart/", again.set)
-                wait_until(lambda: _put_and_see(kv, again), 10, "the new watch to fire")
+                wait_until(lambda: put_and_see(kv, again), 10, "the new watch to fire")
                 cancel_again()
-            assert _watch_threads() <= streams  # another test's closed client may end one
+            assert watch_threads() <= streams  # another test's closed client may end one
         finally:
             cancel()
 
@@ -324,20 +325,6 @@ class TestEtcdKVAcrossRestarts:
         wait_until(lambda: _answers(kv), 20, "the client to reconnect")
         item = kv.get("/dead/k")
         assert item is not None and item.value == b"v"
-
-
-def _put_and_see(kv: KVStore, fired: threading.Event, key: str = "/restart/after") -> bool:
-    fired.clear()
-    try:
-        kv.put(key, uuid.uuid4().hex.encode())
-    except StoreConnectionError:
-        return False
-    return fired.wait(1)
-
-
-def _watch_threads() -> int:
-    """Threads of python3-etcd3's watchers in this process: one per live watch stream."""
-    return sum(t.name.startswith("etcd3_watch_") for t in threading.enumerate())
 
 
 def _answers(kv: KVStore) -> bool:

@@ -14,6 +14,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.harness.waits import WaitTimeout
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import Get, Put
+from tests.fixtures.etcd import put_and_see
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, launch_args
 
@@ -110,6 +112,53 @@ def test_transactions_and_batched_keep_alives_fail_over_like_the_other_calls(
     finally:
         kv.close()
         keeper.close()
+
+
+def test_a_slow_call_that_moves_the_client_ends_the_watch_stream_on_the_member_it_left(
+        etcd_cluster: list[EtcdServer]) -> None:
+    # The member lives on: etcd would serve the dropped watcher's half-closed stream, and
+    # python3-etcd3 keep its thread, until that connection ends, while a watch armed after
+    # opens another: one more of each for every slow call. The watch armed before moves
+    # with the client.
+    kv = EtcdKV(_endpoints(etcd_cluster), timeout=1)
+    leader = kv._client.status().leader.name
+    followers = [m for m in etcd_cluster if m.name != leader]
+    kv._client._current_endpoint_label = followers[0].endpoint  # a stopped leader stops all
+    watchers: list[Any] = []  # every watcher the client made (other tests' threads aside)
+
+    def seen(fired: threading.Event, what: str) -> None:
+        wait_until(lambda: put_and_see(kv, fired, "/moves/k"), 20, what)
+        watchers.append(kv._client._stubs.get("watcher"))
+
+    def streaming() -> int:
+        return sum(t.is_alive() for t in {w._callback_thread for w in watchers if w} if t)
+
+    fired = threading.Event()
+    cancel = kv.on_change("/moves/", fired.set)
+    try:
+        seen(fired, "the watch to fire")
+        for victim in (*followers, followers[0]):
+            wait_until(lambda: not kv._client.endpoints[victim.endpoint].is_failed(), 10,
+                       "the member's bench to end")  # a benched member is passed over
+            kv._client._current_endpoint_label = victim.endpoint
+            seen(fired, "the watch on the victim")
+            assert victim.pid is not None
+            os.kill(victim.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(StoreError):
+                    kv.get("/moves/k")  # DEADLINE_EXCEEDED: the next call goes elsewhere
+            finally:
+                os.kill(victim.pid, signal.SIGCONT)
+            seen(fired, "the watch to move")
+            assert _in_use(kv, etcd_cluster) is not victim
+            again = threading.Event()  # as a round's watch is armed after a failure
+            cancel_again = kv.on_change("/moves/", again.set)
+            seen(again, "the new watch to fire")
+            cancel_again()
+        wait_until(lambda: streaming() <= 1, 10, "the dropped watchers' streams to end")
+    finally:
+        cancel()
+        kv.close()
 
 
 @pytest.mark.slow
