@@ -9,11 +9,12 @@ from datetime import timedelta
 
 import pytest
 
+from agents.round_io import agree_on_store
 from elastic_rt.config import WorkerEnv
 from elastic_rt.errors import RendezvousTimeoutError, StoreConnectionError
 from elastic_rt.rendezvous.kv import KeyValue
 from elastic_rt.rendezvous.registry import RunRegistry, store_endpoint
-from elastic_rt.rendezvous.rounds import Round
+from elastic_rt.rendezvous.rounds import NodeInfo, Round
 from elastic_rt.worker.membership import RoundFollower
 
 
@@ -103,3 +104,27 @@ def test_a_worker_reads_its_first_round_again_when_etcd_fails_a_read() -> None:
     follower.registry = types.SimpleNamespace(current_round=current_round)  # type: ignore
     follower._changed = threading.Event()
     assert follower.current() == round_
+
+
+@pytest.mark.parametrize(("failures", "published"), [(2, True), (10**9, False)])
+def test_the_host_publishes_its_store_again_when_etcd_fails_the_write(
+        failures: int, published: bool) -> None:
+    # A cluster member restarting reset the stream of the host's write: raised, it ended
+    # the agent (the soak's n29). Not forever: past the wait, the loop decides again.
+    round_ = Round(number=2, members=("a", "b"), nprocs=(1, 1), hosts=("h", "g"))
+    writes: list[str] = []
+
+    def publish_store(_: Round, address: str) -> None:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise StoreConnectionError("etcd failed on get_prefix: Stream removed")
+        writes.append(address)
+
+    def await_store(*_: object, **__: object) -> tuple[str, int]:
+        return ("h", int(writes[-1].rsplit(":", 1)[1]))
+
+    store = types.SimpleNamespace(publish_store=publish_store, await_store=await_store)
+    got = agree_on_store(store, round_, NodeInfo("a", "127.0.0.1", 1),  # type: ignore[arg-type]
+                         wait=timedelta(seconds=0.2), sleep=lambda _: None)
+    assert (got is not None, len(writes)) == (published, int(published))
