@@ -153,6 +153,7 @@ FAST_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,
 FAST_MONITOR = 0.1
 STATE_BYTES_PER_PARAM = 12  # float32 weights and AdamW's two moments
 WIDE_INPUT = 1024  # --state-mb's model: Linear(1024, H)-Tanh-Linear(H, 1)
+NODE_PERIOD_US = 100_000  # a node's quota period (--cores-per-node): see cpu_quota
 _POLL_S = 0.02  # how often waits look at the progress files (recovery times are in 0.1 s)
 T = TypeVar("T")
 
@@ -293,7 +294,8 @@ class Job:
         proc = self.procs.start(self._command(node), env=self._env(), log=self.work / f"{node}.log")
         if self.args.cores_per_node:
             # Moved before its workers exist (the agent imports first): they start inside.
-            self.quotas.enter_context(cpu_quota(self.args.cores_per_node)).append(proc.pid)
+            self.quotas.enter_context(cpu_quota(self.args.cores_per_node,
+                                                period_us=NODE_PERIOD_US)).append(proc.pid)
         self.nodes[node] = proc.pid
         return stamp
 
@@ -531,7 +533,7 @@ def _loopback(cores: float) -> float:
     if not cores:
         return loopback_rate()
     code = "from _common import loopback_rate; print(loopback_rate())"
-    with cpu_quota(2 * cores) as group:
+    with cpu_quota(2 * cores, period_us=NODE_PERIOD_US) as group:
         proc = subprocess.Popen([PYTHON, "-c", code], cwd=Path(__file__).parent, env=child_env(),
                                 stdout=subprocess.PIPE, text=True)
         group.append(proc.pid)  # before it measures: it imports first
