@@ -103,10 +103,11 @@ of ``state.landed``; where a run does not report it, to the state landing, the s
 out done), against one TCP connection over loopback measured at the start (best of three),
 and against the same measured while the members train, just before c starts: on two cores
 the stream shares them with two training workers, which a cluster's nodes do not.
-``--cores-per-node`` (root) simulates those nodes: each node's agent and workers run in a
-cgroup of that many CPUs, three at 0.6 fitting the two cores, so no node's step takes
-another's CPU and a step keeps its time when the job grows; the loopback baselines are
-then measured in a process held to two nodes' share (a sender's and a receiver's).
+``--cores-per-node`` (root) simulates those nodes: each node's workers run in a cgroup of
+that many CPUs (in 100 ms periods), three at 0.6 fitting the two cores, so no node's step
+takes another's CPU and a step keeps its time when the job grows; the agents, light
+processes that a cluster's node has cores for, run outside. The loopback baselines are then
+measured in a process held to two nodes' share (a sender's and a receiver's).
 
 Run:  python scripts/bench/recovery.py                   # all cases (~6 min)
       python scripts/bench/recovery.py --cases inproc-kill inproc-join --state-mb 1200
@@ -128,6 +129,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -283,6 +285,9 @@ class Job:
         self.store_port = free_port()
         self.quotas = contextlib.ExitStack()
         """Each node's CPU quota (``--cores-per-node``), lifted by :meth:`release`."""
+        self.groups: dict[str, list[int]] = {}
+        self._confining = threading.Event()
+        self._confiner = threading.Thread(target=self._confine, name="confine", daemon=True)
 
     def start(self) -> None:
         for node in NODES:
@@ -293,14 +298,30 @@ class Job:
         stamp = time.time()
         proc = self.procs.start(self._command(node), env=self._env(), log=self.work / f"{node}.log")
         if self.args.cores_per_node:
-            # Moved before its workers exist (the agent imports first): they start inside.
-            self.quotas.enter_context(cpu_quota(self.args.cores_per_node,
-                                                period_us=NODE_PERIOD_US)).append(proc.pid)
+            self.groups[node] = self.quotas.enter_context(
+                cpu_quota(self.args.cores_per_node, period_us=NODE_PERIOD_US))
+            if not self._confiner.is_alive():
+                self._confiner.start()
         self.nodes[node] = proc.pid
         return stamp
 
+    def _confine(self) -> None:
+        """Move each node's workers into its quota as they start (within 50 ms; they import
+        torch first). The agent stays out: on a cluster it is a light process on a node of
+        many cores, and held in the same 0.6 CPU as a 1.2 GB worker, agents went silent
+        past their heartbeat and lease."""
+        while not self._confining.wait(0.05):
+            for node, group in list(self.groups.items()):
+                for child in self.procs.tree(self.nodes[node])[1:]:
+                    if child.pid not in group:
+                        with contextlib.suppress(OSError):  # gone meanwhile
+                            group.append(child.pid)
+
     def release(self) -> None:
         """Lift the nodes' CPU quotas (after their processes are stopped)."""
+        self._confining.set()
+        if self._confiner.is_alive():
+            self._confiner.join()
         self.quotas.close()
 
     def _script(self) -> list[str]:
@@ -668,7 +689,7 @@ def parse_args() -> argparse.Namespace:
                         "every core, so three simulated nodes oversubscribe the machine; 1 "
                         "gives each its share, as nodes with cores of their own have)")
     p.add_argument("--cores-per-node", type=float, default=0,
-                   help="hold each node's processes (agent and workers) to this many CPUs "
+                   help="hold each node's workers to this many CPUs "
                         "(a cgroup quota; needs root), as nodes with cores of their own: at "
                         "0.6 three nodes fit two cores, so a join no longer slows every "
                         "step; the loopback baselines are then measured within two nodes' "
