@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Callable, TypeVar
 
+import torch
 from torch.futures import Future
 
 from elastic_rt import noticed_gloo
@@ -49,8 +51,8 @@ from elastic_rt.errors import RoundAbandoned
 from elastic_rt.process_groups import abort_groups
 from elastic_rt.rendezvous.rounds import Round
 
-__all__ = ["RoundAbandoned", "RoundNotice", "drops_a_member", "round_notice", "wait",
-           "waited_seconds"]
+__all__ = ["RoundAbandoned", "RoundNotice", "drops_a_member", "round_notice",
+           "stop_compute_on_notice", "wait", "waited_seconds"]
 
 T = TypeVar("T")
 _POLL_S = 0.001
@@ -155,6 +157,38 @@ def waited_seconds() -> float:
 def round_notice() -> RoundNotice:
     """The process's notice (the loop feeds it; collectives wait through it)."""
     return _notice
+
+
+def stop_compute_on_notice(model: torch.nn.Module) -> None:
+    """Make ``model``'s forward and backward stop at the next module or parameter once
+    the notice is given, with :class:`RoundAbandoned`.
+
+    A survivor hears of a lost peer a few hundred milliseconds after the kill, but the
+    step it is in would compute on to its first collective, and that step is retried in
+    the new round anyway: a kill right after a step threw away the whole next forward and
+    backward (at 1.2 GB of replica state on 0.6 CPU a node, kill -> next step 1.7 s beyond
+    a normal step of 2.7 s). Checked at each module's forward and each parameter's
+    gradient, one lock-free read each. For replicated models only: a sharded model's
+    forward is stopped in its all-gathers (``noticed_gloo``), with FSDP's own hooks
+    around them. Once per model.
+    """
+    if model in _stopping:
+        return
+    _stopping.add(model)
+    for module in model.modules():
+        module.register_forward_pre_hook(_stop_if_given)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_stop_if_given)
+
+
+_stopping: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _stop_if_given(*_: object) -> None:
+    if _notice._given:  # a read of one attribute: the lock is for waits, not for this
+        raise RoundAbandoned("a newer round dropped a member of ours; the step's compute "
+                             "stopped (its collectives would be abandoned: ProcessGroup)")
 
 
 def wait(future: Future[T]) -> T:

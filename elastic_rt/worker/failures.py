@@ -22,7 +22,7 @@ from typing import Iterator, NoReturn
 import torch.distributed as dist
 
 from elastic_rt.config import ERROR_FILE_ENV
-from elastic_rt.errors import StateLostError, StoreError, UserCodeError
+from elastic_rt.errors import RoundAbandoned, StateLostError, StoreError, UserCodeError
 from elastic_rt.events import EventSink
 from elastic_rt.rendezvous.registry import RunRegistry
 from elastic_rt.root_cause import write_error_file
@@ -42,7 +42,7 @@ def is_peer_failure(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, dist.DistError):
+        if isinstance(current, (dist.DistError, RoundAbandoned)):
             return True
         if _BACKEND_MESSAGES.search(str(current)):
             return True

@@ -138,7 +138,8 @@ class ReplicatedTrainer(TrainStateTrainer):
             logger.info("build ahead of the round failed (%s); building in the round", exc)
             self.state = None
             return
-        self.stepper = ReplicatedStep(self.state, self.step_fn, self.options)
+        self.stepper = ReplicatedStep(self.state, self.step_fn, self.options,
+                                      stop_on_notice=True)
         initialize_optimizer_state(self.state.optimizer)
         self.stepper.bind(None)
         self._prepared_for = layout
@@ -149,7 +150,8 @@ class ReplicatedTrainer(TrainStateTrainer):
                                                                               at.ctx.layout):
             self.state = None  # a state built for another layout goes before the new one
             self.state = self.build(at.ctx.layout)
-            self.stepper = ReplicatedStep(self.state, self.step_fn, self.options)
+            self.stepper = ReplicatedStep(self.state, self.step_fn, self.options,
+                                          stop_on_notice=True)
         state, stepper = self.state, self.stepper
         group = at.ctx.groups.world
         step = -1 if at.progress.is_dirty else at.progress.step

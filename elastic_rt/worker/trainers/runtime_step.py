@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from elastic_rt.errors import ConfigError
 from elastic_rt.process_groups import abandoned_group_count, release_abandoned
+from elastic_rt.worker.abort import stop_compute_on_notice
 from elastic_rt.worker.batches import to_device
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.failures import user_code
@@ -94,10 +95,15 @@ class ReplicatedStep:
         state: what ``build`` returned.
         step_fn: the user's step.
         options: precision, clipping and gradient averaging.
+        stop_on_notice: a replicated model's step stops computing once a newer round
+            drops a member (``abort.stop_compute_on_notice``).
     """
 
-    def __init__(self, state: TrainState, step_fn: StepFn, options: StepOptions) -> None:
+    def __init__(self, state: TrainState, step_fn: StepFn, options: StepOptions, *,
+                 stop_on_notice: bool = False) -> None:
         self.state, self.step_fn, self.options = state, step_fn, options
+        if stop_on_notice:
+            stop_compute_on_notice(state.model)
         self.device = next(state.model.parameters()).device
         self.device_type = self.device.type
         is_fp16 = options.autocast_dtype == torch.float16
