@@ -113,14 +113,15 @@ class GradientBuckets:
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None,
                  options: GradSync) -> None:
         self.hook = options.comm_hook
+        self._unsettled: list[Future[Any]] = []
+        """Bucket collectives a failed step left running (see :meth:`may_still_write`)."""
+        self._futures: list[Future[Any]] = []
         self.rebind(group)
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = _make_buckets(params[::-1], options)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._view_of = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self._futures: list[Future[Any]] = []
-        self._next = 0
         self._is_last_backward = False
         for bucket in self.buckets:
             for p, view in zip(bucket.params, bucket.views):
@@ -132,7 +133,16 @@ class GradientBuckets:
         """Sum over ``group`` from the next step on (the new round's data-parallel group)."""
         self.group = group
         self.is_active = group is not None and dist.get_world_size(group) > 1
+        self._unsettled = [future for future in (*self._unsettled, *self._futures)
+                           if not future.done()]
         self._futures, self._next = [], 0
+
+    def may_still_write(self) -> bool:
+        """Whether a collective of an earlier round may still write into the buckets: one
+        this step launched before it failed (or stopped on a notice) that has not ended.
+        None launched, or all ended, and the buckets can serve the next round at once,
+        whatever else the abandoned round still runs (a vote blocked on a dead peer)."""
+        return any(not future.done() for future in (*self._futures, *self._unsettled))
 
     def zero_grad(self) -> None:
         """Start a step with no gradients; the hook moves each new one into its bucket."""
@@ -169,6 +179,7 @@ class GradientBuckets:
                     if result is not bucket.buffer:
                         bucket.buffer.copy_(result)
         finally:
+            self._unsettled += [future for future in self._futures if not future.done()]
             self._futures, self._next = [], 0
 
     def close(self) -> None:
@@ -176,7 +187,7 @@ class GradientBuckets:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._futures = []
+        self._futures, self._unsettled = [], []
 
     def _on_grad(self, param: torch.Tensor) -> None:
         view = self._view_of[id(param)]

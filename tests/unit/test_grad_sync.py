@@ -153,6 +153,12 @@ def _rebind(env: WorkerEnv) -> dict[str, bool]:
     assert stepper.buckets.group is None
     stepper.bind(dist.group.WORLD)  # type: ignore[arg-type]  # a round after a clean one
     reused = [bucket.buffer for bucket in stepper.buckets.buckets] == kept
+    # an abandoned round still runs a collective (a vote on a dead peer), none of the
+    # buckets' own (the step stopped before it launched one): they serve the next round
+    runtime_step.abandoned_group_count = lambda: 1  # type: ignore[attr-defined]
+    stepper.release_group()
+    stepper.bind(dist.group.WORLD)  # type: ignore[arg-type]
+    reused_beside = [bucket.buffer for bucket in stepper.buckets.buckets] == kept
     del kept
 
     old = [weakref.ref(bucket.buffer) for bucket in stepper.buckets.buckets]
@@ -165,15 +171,17 @@ def _rebind(env: WorkerEnv) -> dict[str, bool]:
         make(bucket, params)
 
     grad_sync._Bucket.__init__ = counting  # type: ignore[method-assign, assignment]
-    # an abandoned round's all-reduce may still complete into the old buffers
-    runtime_step.abandoned_group_count = lambda: 1  # type: ignore[attr-defined]
+    # a bucket's all-reduce of the abandoned round may still complete into the old buffers
+    stepper.buckets._unsettled = [torch.futures.Future()]  # never completes
     stepper.release_group()
     stepper.bind(dist.group.WORLD)  # type: ignore[arg-type]  # the next round's
-    return {"reused": reused,
+    return {"reused": reused, "reused beside an abandoned vote": reused_beside,
             "freed": alive_at_new == [0] * len(alive_at_new) and bool(alive_at_new)}
 
 
 def test_buckets_serve_the_next_round_unless_an_abandoned_one_may_write_them() -> None:
-    """A clean re-form keeps the buffers; after an abandoned round whose collectives have
-    not all finished, new buckets replace the old ones rather than double them."""
-    assert run_workers(_rebind, 1) == [{"reused": True, "freed": True}]
+    """A clean re-form keeps the buffers, and so does one after an abandoned round whose
+    running collectives are none of the buckets'; after a bucket's all-reduce that has not
+    finished, new buckets replace the old ones rather than double them."""
+    assert run_workers(_rebind, 1) == [
+        {"reused": True, "reused beside an abandoned vote": True, "freed": True}]
