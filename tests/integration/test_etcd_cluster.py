@@ -25,7 +25,7 @@ from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.harness.waits import WaitTimeout
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import Get, Put
-from tests.fixtures.etcd import put_and_see
+from tests.fixtures.etcd import put_and_see, times_out_while_stopped
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, launch_args
 
@@ -142,13 +142,7 @@ def test_a_slow_call_that_moves_the_client_ends_the_watch_stream_on_the_member_i
                        "the member's bench to end")  # a benched member is passed over
             kv._client._current_endpoint_label = victim.endpoint
             seen(fired, "the watch on the victim")
-            assert victim.pid is not None
-            os.kill(victim.pid, signal.SIGSTOP)
-            try:
-                with pytest.raises(StoreError):
-                    kv.get("/moves/k")  # DEADLINE_EXCEEDED: the next call goes elsewhere
-            finally:
-                os.kill(victim.pid, signal.SIGCONT)
+            times_out_while_stopped(kv, victim, "/moves/k")  # the next call goes elsewhere
             seen(fired, "the watch to move")
             assert _in_use(kv, etcd_cluster) is not victim
             again = threading.Event()  # as a round's watch is armed after a failure
