@@ -21,12 +21,13 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import NoReturn
+from typing import Callable, NoReturn, TypeVar
 
 from agents import policy
 from agents.alive import AliveServer, probe_members
 from agents.config import AgentConfig
 from agents.dispatch import Driver, Exited, carry_out
+from agents.etcd_retry import again
 from agents.heartbeat import Heartbeat
 from agents.inbox import Inbox
 from agents.local_workers import LocalWorkers
@@ -46,6 +47,8 @@ from elastic_rt.rendezvous import rounds
 from elastic_rt.rendezvous.rounds import NodeInfo, Round, Snapshot
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Agent:
@@ -251,7 +254,7 @@ class Agent:
         self.workers.stop(action.why, grace=action.grace)
 
     def publish_in_process(self, action: policy.PublishInProcess) -> None:
-        self.registry.mark_in_process()
+        self._etcd(self.registry.mark_in_process, "to mark the run in-process")
 
     def start_in_standby(self, action: policy.StartInStandby) -> policy.StandbyStarted:
         """Start workers outside any round; register only once they are imported.
@@ -306,12 +309,12 @@ class Agent:
         first = self.workers.report_failed(action.round, action.exits)
         in_process = self.workers.in_process()
         self.workers.stop("a worker failed")
-        step = (self.registry.progress() or {}).get("step")
+        step = (self._etcd(self.registry.progress, "to read the progress") or {}).get("step")
         cause = self.workers.root_cause(action.round, action.exits, self.info.host,
                                         step if isinstance(step, int) else None)
         return policy.FailureSeen(policy.FailureFacts(
-            action.round, self.registry.snapshot(), in_process, first, self.info.node_id,
-            _now_ms(), cause))  # fmt: skip
+            action.round, self._etcd(self.registry.snapshot, "to read the run"), in_process,
+            first, self.info.node_id, _now_ms(), cause))  # fmt: skip
 
     def probe_peers(self, action: policy.ProbePeers) -> policy.PeersProbed:
         dead, unsure = probe_members(self.registry, action.round, self.info.node_id)
@@ -319,16 +322,22 @@ class Agent:
                                   self._observe(read=False))
 
     def claim_failure(self, action: policy.ClaimFailure) -> policy.FailureClaimed:
-        claimed = self.registry.claim_failure(action.round.number, action.what)
-        repeated = (report_root_cause(self.registry, action.cause, claimed=claimed)
-                    if action.cause is not None else None)
+        # Tried again after a reset, a claim that went through reads as another's: the
+        # failure then goes uncounted, where raised it ended the node.
+        number, what, cause = action.round.number, action.what, action.cause
+        claimed = self._etcd(lambda: self.registry.claim_failure(number, what),
+                             "to claim a failure")
+        repeated = (self._etcd(lambda: report_root_cause(self.registry, cause, claimed=claimed),
+                               "to report the root cause") if cause is not None else None)
         return policy.FailureClaimed(claimed, repeated)
 
     def count_restart(self, action: policy.CountRestart) -> policy.RestartCounted:
-        return policy.RestartCounted(self.registry.count_restart())
+        return policy.RestartCounted(self._etcd(self.registry.count_restart,
+                                                "to count a restart"))
 
     def report_root_cause(self, action: policy.ReportRootCause) -> None:
-        report_root_cause(self.registry, action.cause, claimed=False)
+        self._etcd(lambda: report_root_cause(self.registry, action.cause, claimed=False),
+                   "to report the root cause")
 
     def leave_round(self, action: policy.LeaveRound) -> None:
         self.keeper.stop(revoke=True)
@@ -337,7 +346,8 @@ class Agent:
     def reform_without_us(self, action: policy.ReformWithoutUs) -> policy.ReformWritten:
         self.propose(action.proposal)
         return policy.ReformWritten(action.proposal.proposal.round, action.why,
-                                    self.registry.current_round(), _now_ms())
+                                    self._etcd(self.registry.current_round, "to read the round"),
+                                    _now_ms())
 
     def announce_leave(self, action: policy.AnnounceLeave) -> None:
         """The workers first (they leave after the step they are in), then the events and
@@ -384,17 +394,24 @@ class Agent:
     def succeed(self, action: policy.Succeed) -> Exited:
         """Every local worker succeeded: mark the job completing and leave."""
         round_ = action.round
-        self.registry.mark_completing()
+        self._etcd(self.registry.mark_completing, "to mark the job completing")
         self.events.emit("job.finished", round=round_.number if round_ else None)
         self.keeper.stop(revoke=True)
-        remaining = [n for n in self.registry.nodes() if round_ and n in round_.members]
-        if not remaining:
-            self.registry.close(policy.closed_record(policy.Finished("finished")))
+        nodes = self._etcd(self.registry.nodes, "to read the nodes")
+        if not [n for n in nodes if round_ and n in round_.members]:
+            self.close_run(policy.CloseRun(policy.Finished("finished")))
         logger.info("workers finished; node %s leaves", self.info.node_id)
         return Exited(policy.exit_code(policy.Finished("workers finished")))
 
     def close_run(self, action: policy.CloseRun) -> None:
-        self.registry.close(policy.closed_record(action.outcome))
+        record = policy.closed_record(action.outcome)
+        self._etcd(lambda: self.registry.close(record), "to close the run")
+
+    def _etcd(self, call: Callable[[], T], what: str) -> T:
+        """One of the hands' etcd calls, tried again through a member's restart for up to
+        ``--etcd-wait`` (:func:`agents.etcd_retry.again`)."""
+        return again(call, what, within=self.config.rendezvous.etcd_wait.total_seconds(),
+                     sleep=self.inbox.sleep)
 
     def join_timed_out(self, action: policy.JoinTimedOut) -> NoReturn:
         raise self.config.join_timed_out(self.watch.registered())

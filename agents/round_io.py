@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Callable
 
 from agents import policy
+from agents.etcd_retry import again
 from elastic_rt.errors import RendezvousTimeoutError, StoreError
 from elastic_rt.etcd_server import free_port
 from elastic_rt.events import EventSink
@@ -60,8 +61,16 @@ def agree_on_store(registry: RunRegistry, round_: Round, me: NodeInfo, *, wait: 
     """
     host = _store_host(round_)
     deadline = time.monotonic() + wait.total_seconds()
-    if host == me.node_id and not _publish_store(registry, round_, me, deadline, sleep):
-        return None
+    if host == me.node_id:
+        address = f"{me.host}:{free_port(me.host)}"
+        try:  # a reset stream raised out of here once and ended the agent (finding 17)
+            again(lambda: registry.publish_store(round_, address),
+                  f"to publish round {round_.number}'s store", within=wait.total_seconds(),
+                  sleep=sleep, poll=0.05)
+        except StoreError as exc:
+            logger.warning("round %d's store not published (%s); waiting for the next round",
+                           round_.number, exc)
+            return None
 
     def gone() -> bool:
         current = registry.current_round()
@@ -76,30 +85,6 @@ def agree_on_store(registry: RunRegistry, round_: Round, me: NodeInfo, *, wait: 
         logger.warning("no store address for round %d; waiting for the next round",
                        round_.number)
         return None
-
-
-def _publish_store(registry: RunRegistry, round_: Round, me: NodeInfo, deadline: float,
-                   sleep: Callable[[float], None]) -> bool:
-    """Publish our address for ``round_``'s store, again while etcd fails the call (a
-    cluster member restarting resets the stream in flight; the next call goes to
-    another), as :meth:`RunRegistry.await_store` reads it again. Raised, it ended the
-    agent (a soak's n29, docs/soak.md finding 17). The write is the same each time.
-    False once ``deadline`` passed."""
-    address, failed = f"{me.host}:{free_port(me.host)}", 0
-    while True:
-        try:
-            registry.publish_store(round_, address)
-            return True
-        except StoreError as exc:
-            failed += 1
-            if time.monotonic() >= deadline:
-                logger.warning("etcd failed %d times to publish round %d's store (%s); "
-                               "waiting for the next round", failed, round_.number, exc)
-                return False
-            if failed == 1:
-                logger.warning("etcd failed to publish round %d's store (%s); trying again",
-                               round_.number, exc)
-        sleep(0.05)
 
 
 def _store_host(round_: Round) -> str:
