@@ -297,12 +297,12 @@ class Job:
     def _start_node(self, node: str) -> float:
         stamp = time.time()
         proc = self.procs.start(self._command(node), env=self._env(), log=self.work / f"{node}.log")
+        self.nodes[node] = proc.pid  # first: the confiner reads it for every group
         if self.args.cores_per_node:
             self.groups[node] = self.quotas.enter_context(
                 cpu_quota(self.args.cores_per_node, period_us=NODE_PERIOD_US))
             if not self._confiner.is_alive():
                 self._confiner.start()
-        self.nodes[node] = proc.pid
         return stamp
 
     def _confine(self) -> None:
