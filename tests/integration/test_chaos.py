@@ -1,4 +1,5 @@
-"""A quick subset of the chaos matrix (``scripts/chaos.py``): one trial of four faults.
+"""A quick subset of the chaos matrix (``scripts/chaos.py``): one trial of the
+fault the short soak does not draw.
 
 Each trial is a fresh 3-node in-process job on its own etcd, the fault injected at a
 moment drawn from a fixed seed; a 1-node reference run starts beside the first trial.
@@ -6,7 +7,10 @@ A trial passes when the job finished, its final parameters equal the reference's
 no step was lost or repeated, no checkpoint is damaged, no process is left behind,
 and the fault's own checks held (fenced and rejoined, training went on...).
 The full matrix is ``python scripts/chaos.py --trials N``; the audit's rules are
-unit-tested in ``tests/unit/test_chaos_audit.py``.
+unit-tested in ``tests/unit/test_chaos_audit.py``. A node's SIGKILL mid-step, a worker's
+SIGKILL and a node's SIGSTOP are among the kinds the short soak (``test_soak.py``) draws
+its 24 faults from, one job through them all; the soak restarts one member of a
+three-member etcd cluster, so the restart of the only etcd server is tried here.
 """
 
 from __future__ import annotations
@@ -35,8 +39,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
 @pytest.mark.slow
 @pytest.mark.etcd
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("fault", ["sigkill-mid-step", "sigkill-worker", "sigstop-node",
-                                   "etcd-restart"])
+@pytest.mark.parametrize("fault", ["etcd-restart"])
 def test_fault_leaves_training_unchanged(fault: str, reference: Reference,
                                          tmp_path: Path) -> None:
     rng = random.Random(f"{SEED}-{fault}")
