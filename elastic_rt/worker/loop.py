@@ -226,10 +226,12 @@ class _ElasticLoop:
         self.joined: JoinedRound | None = None
         """The round we train in; None before the first and between two rounds."""
         self.progress = Progress()
+        self.receiving: tuple[int, ...] = ()
+        """Data-parallel ranks whose state lands in this step (a join's stream)."""
         self.sitting_out: tuple[int, ...] = ()
+        """Those of them training no samples this step (``Restored.sitting_out``)."""
         self._step_samples = 0
         """This rank's samples in the step just trained (its speed's numerator)."""
-        """Data-parallel ranks training no samples this step: their state is still landing."""
         self._restored_at = 0.0  # for state.landed: when the restore ended, what it moved
         self._streamed_bytes: int | None = None
         self._stream_seconds: Callable[[], float | None] | None = None
@@ -338,7 +340,7 @@ class _ElasticLoop:
             began, waited = time.perf_counter(), waited_seconds()
             # A newer round is joined at a boundary every rank votes for (boundary_vote),
             # and waits for the step a stream lands in: that step finishes it.
-            newer = not self.sitting_out and self.membership.has_newer_round(joined.number)
+            newer = not self.receiving and self.membership.has_newer_round(joined.number)
             # a restore may leave it dirty: a receiver whose streamed state lands in this step
             self.progress.is_dirty = self.progress.is_dirty or not self.trainer.is_step_atomic()
             joined.at_step(self.progress.step + 1)
@@ -349,13 +351,15 @@ class _ElasticLoop:
             self.progress.is_dirty = False
             self.progress.failed_attempts = 0
             self.clock.completed(time.monotonic())
-            if self.sitting_out:  # their state has landed: the whole world trains from now
+            if self.receiving:  # their state has landed: the whole world trains from now
                 wire = self._stream_seconds() if self._stream_seconds else None
-                self._phase("state.landed", self._restored_at, sitting_out=list(self.sitting_out),
-                            bytes_moved=self._streamed_bytes,
+                self._phase("state.landed", self._restored_at, receiving=list(self.receiving),
+                            sitting_out=list(self.sitting_out), bytes_moved=self._streamed_bytes,
                             **({} if wire is None else {"stream_ms": round(wire * 1000)}))
-                self.sitting_out = ()
-                self.resplit(joined)
+                if self.sitting_out:
+                    self.sitting_out = ()
+                    self.resplit(joined)
+                self.receiving = ()
             # Summed only now: the update is applied, so a peer lost during this sum must
             # not make the next round train the step again (it loses only this report).
             global_loss = self._global_loss(joined, contribution) if self.on_step else None
@@ -432,14 +436,15 @@ class _ElasticLoop:
         restored = self.trainer.restore(Restoring(ctx=joined.ctx, checkpoint=self.checkpoint,
                                                   sampler=self.sampler, progress=self.progress,
                                                   run_reached=self._published_step))
-        self.sitting_out = restored.sitting_out
+        self.receiving, self.sitting_out = restored.receiving, restored.sitting_out
         self._restored_at, self._streamed_bytes = time.monotonic(), restored.bytes_moved
         self._stream_seconds = restored.stream_seconds
-        streaming: dict[str, Any] = {"sitting_out": list(restored.sitting_out)}
+        streaming: dict[str, Any] = {"receiving": list(restored.receiving),
+                                     "sitting_out": list(restored.sitting_out)}
         # the RSS growth covers the restore itself; a stream's bytes land later, in a step
         self._phase("state.restored", began, source=restored.source,
                     bytes_moved=restored.bytes_moved, rss_growth_bytes=peak.growth_bytes(),
-                    **(streaming if self.sitting_out else {}))
+                    **(streaming if self.receiving else {}))
 
     def _published_step(self) -> int:
         return published_step(self.membership.registry)

@@ -5,17 +5,19 @@ Three ranks train the same AdamW model (a scheduler, extras, one transposed and 
 non-contiguous parameter) for three steps from a fresh start. Restored again, all three
 hold the same state: nothing moves and nothing is touched. Then rank 2 is replaced by a
 newcomer (built, never stepped, empty AdamW state) while ranks 0 and 1 train two steps
-more. The newcomer's restore returns at once; the holders then train the next step on
-the whole global batch while the state streams, in chunks small enough that many go each
-way (shared by the holders); the newcomer trains no sample and takes the averaged
-gradients. After that step all three are bitwise equal: model, optimizer (step counts,
-the scheduler's learning rate) and TrainMeta. In the second test a holder dies
-mid-stream: the survivors re-form, the holder that is left still holds the step before
-(its update waited for the stream) and streams again, and the two end equal.
+more. The newcomer's restore returns at once; all three then train the next step while
+the state streams, in chunks small enough that many go each way (shared by the holders),
+the newcomer once its model has landed. After that step all three are bitwise equal
+(model, optimizer with its step counts, the scheduler's learning rate, TrainMeta) and
+equal to that step taken in one process. In the second test a holder dies mid-stream: the
+survivors re-form, the holder that is left still holds the step before (its update waited
+for the stream) and streams again, and the two end equal. A rank one step behind keeps its
+own state until the newer one has landed, and trains no sample in that step (the last).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -37,6 +39,7 @@ from elastic_rt.process_groups import abandon_groups, destroy_groups, init_group
 from elastic_rt.sampler import ElasticSampler
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.trainers import Progress, Restoring, StepOptions
+from elastic_rt.worker.trainers.protocol import Restored
 from elastic_rt.worker.abort import round_notice
 from elastic_rt.worker.trainers.replica_state import named_tensors
 from elastic_rt.worker.trainers.replica_transfer import WINDOW, Agreement, Stream
@@ -99,19 +102,38 @@ def _step(state: TrainState, batch: Any) -> torch.Tensor:
 
 
 def _streamed_step(trainer: ReplicatedTrainer, ctx: Any, progress: Progress,
-                   sampler: ElasticSampler, holders: list[int], *, step: int) -> float | None:
-    """The step the newcomer's state lands in, as the loop trains it: the holders split the
-    global batch, the others train no sample; when this rank's last byte arrived."""
-    torch.manual_seed(100 + step)
-    batch = torch.randn(4, 6)
+                   sampler: ElasticSampler, restored: Restored, *, step: int) -> float | None:
+    """The step the newcomer's state lands in, as the loop trains it: the ranks not
+    sitting out split the global batch; when this rank's last byte arrived."""
+    batch = _batch(step)
     rank = ctx.groups.world.rank()
-    share = [(batch[i::len(holders)], 4 // len(holders))
-             for i, r in enumerate(holders) if r == rank]
+    training = [r for r in range(ctx.groups.world.size()) if r not in restored.sitting_out]
+    share = [(batch[i::len(training)], len(batch) // len(training))
+             for i, r in enumerate(training) if r == rank]
     stream = trainer.stream
-    trainer.train(share, global_len=4, ctx=ctx, step=step)
+    trainer.train(share, global_len=len(batch), ctx=ctx, step=step)
     sampler.advance()
     progress.step += 1
     return None if stream is None else stream.began + (stream.seconds or 0.0)
+
+
+def _batch(step: int) -> torch.Tensor:
+    """A streamed step's global batch: 2 samples a rank for 3 ranks (BatchNorm needs 2)."""
+    torch.manual_seed(100 + step)
+    return torch.randn(6, 6)
+
+
+def _one_process_step(state: TrainState, training: int, step: int) -> dict[str, torch.Tensor]:
+    """The streamed step as one process takes it: each of ``training`` shares through the
+    model on its own (BatchNorm normalizes by a share's statistics), the losses weighted
+    by their part of the batch and summed."""
+    batch = _batch(step)
+    for i in range(training):
+        (state.model(batch[i::training]).pow(2).mean() / training).backward()
+    state.optimizer.step()
+    assert state.scheduler is not None
+    state.scheduler.step()
+    return {name: t.detach().clone() for name, t in named_tensors(state)}
 
 
 def _train(state: TrainState, sampler: ElasticSampler, progress: Progress, steps: int) -> None:
@@ -140,11 +162,14 @@ def _held(trainer: ReplicatedTrainer, progress: Progress,
 
 
 def _restore(trainer: ReplicatedTrainer, ctx: Any, progress: Progress,
-             sampler: ElasticSampler) -> tuple[str, int | None]:
+             sampler: ElasticSampler) -> Restored:
     trainer.release()
-    done = trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=sampler,
+    return trainer.restore(Restoring(ctx=ctx, checkpoint=None, sampler=sampler,
                                      progress=progress))
-    return done.source, done.bytes_moved
+
+
+def _said(restored: Restored) -> list[Any]:
+    return [restored.source, restored.bytes_moved]
 
 
 def _kill_then_join(env: WorkerEnv) -> dict[str, Any]:
@@ -179,8 +204,13 @@ def _kill_then_join(env: WorkerEnv) -> dict[str, Any]:
         kept_prepared = env.rank != 2 or (trainer.state is prepared
                                           and _BUILDS[0] == builds)
         dirty_while_streaming = progress.is_dirty
-        landed = _streamed_step(trainer, ctx, progress, sampler, [0, 1], step=6)
-        return {"kept": list(kept), "untouched": untouched, "joined": list(joined),
+        assert trainer.state is not None
+        reference = (_one_process_step(copy.deepcopy(trainer.state), 3, step=6)
+                     if env.rank == 0 else {})
+        landed = _streamed_step(trainer, ctx, progress, sampler, joined, step=6)
+        return {"kept": _said(kept), "untouched": untouched, "joined": _said(joined),
+                "receiving": joined.receiving, "sitting_out": joined.sitting_out,
+                "reference": reference,
                 "returned_at": returned_at, "kept_prepared": kept_prepared, "landed": landed,
                 "entered": _ENTERED[-1:],
                 "dirty": [dirty_while_streaming, progress.is_dirty], "buffers_before": buffers,
@@ -195,17 +225,23 @@ def test_survivors_move_nothing_and_a_newcomer_gets_the_holders_state_while_they
         assert got["kept"] == ["kept", 0] and got["untouched"]
     holder, newcomer = results[0], results[2]
     assert newcomer["step"] == holder["step"] == 6
-    # the holders' forward ran while the newcomer's bytes were still arriving
+    # the holders' forward ran while the newcomer's bytes were still arriving; the
+    # newcomer's too, once its model had landed: none sat out
     assert newcomer["landed"] > holder["entered"][0] > holder["returned_at"]
-    assert newcomer["entered"] == [] and newcomer["dirty"] == [True, False]
+    assert newcomer["entered"][0] > newcomer["returned_at"]
+    assert all((got["receiving"], got["sitting_out"]) == ((2,), ()) for got in results)
+    assert newcomer["dirty"] == [True, False]
     assert newcomer["kept_prepared"]  # built before the round, not again in it
     assert newcomer["tensors"].keys() == holder["tensors"].keys()
     for name, tensor in holder["tensors"].items():
-        if name in _BUFFERS:
-            assert torch.equal(newcomer["tensors"][name], holder["buffers_before"][name]), name
+        if name in _BUFFERS:  # each rank's forward wrote its own, from the holders' state
             continue
         assert torch.equal(newcomer["tensors"][name], tensor), name
         assert torch.equal(results[1]["tensors"][name], tensor), name
+        torch.testing.assert_close(tensor, holder["reference"][name], atol=1e-6, rtol=0,
+                                   msg=name)
+    tracked = "model.norm.num_batches_tracked"
+    assert newcomer["tensors"][tracked] == holder["buffers_before"][tracked] + 1
     assert any(name.endswith(".step") for name in holder["tensors"])
     # staged: the holders' strided moment, and the newcomer's strided parameter (its
     # moments are allocated contiguous, so they are received in place)
@@ -233,13 +269,13 @@ def _killed_mid_stream(env: WorkerEnv) -> dict[str, Any]:
                                               chunk_bytes=CHUNK_BYTES), Progress()
         trainer.prepare(Layout(dp=2))  # a wrong guess of its round's layout: built again
     builds = _BUILDS[0]
-    _restore(trainer, ctx, progress, sampler)
+    streaming = _restore(trainer, ctx, progress, sampler)
     rebuilt = _BUILDS[0] - builds
     assert trainer.stream is not None
     if env.rank == 1:  # dies as its forward begins, its share of the stream half sent
         os.kill(os.getpid(), signal.SIGKILL)
     try:
-        _streamed_step(trainer, ctx, progress, sampler, [0, 1], step=4)
+        _streamed_step(trainer, ctx, progress, sampler, streaming, step=4)
         raise AssertionError("the step whose stream broke completed")
     except RuntimeError as exc:
         failed = type(exc).__name__
@@ -253,8 +289,8 @@ def _killed_mid_stream(env: WorkerEnv) -> dict[str, Any]:
     ctx = dataclasses.replace(ctx, rank=rank, world_size=2, layout=Layout(dp=2), groups=groups)
     try:
         again = _restore(trainer, ctx, progress, sampler)
-        _streamed_step(trainer, ctx, progress, sampler, [0], step=4)
-        return {"failed": failed, "after_failure": after_failure, "again": list(again),
+        _streamed_step(trainer, ctx, progress, sampler, again, step=4)
+        return {"failed": failed, "after_failure": after_failure, "again": _said(again),
                 "rebuilt": rebuilt,
                 **_held(trainer, progress, sampler)}
     finally:
@@ -339,15 +375,15 @@ def _behind_then_holders_lost(env: WorkerEnv) -> dict[str, Any]:
     assert trainer.state is not None
     _train(trainer.state, sampler, progress, 3 if env.rank < 2 else 2)
     first = _restore(trainer, ctx, progress, sampler)
-    _streamed_step(trainer, ctx, progress, sampler, [0, 1], step=4)
+    _streamed_step(trainer, ctx, progress, sampler, first, step=4)
     landed = _held(trainer, progress, sampler)
     if env.rank < 2:
         _train(trainer.state, sampler, progress, 1)  # step 5, without rank 2
-    _restore(trainer, ctx, progress, sampler)
+    second = _restore(trainer, ctx, progress, sampler)
     if env.rank < 2:  # both holders die as their step begins, the stream under way
         os.kill(os.getpid(), signal.SIGKILL)
     try:
-        _streamed_step(trainer, ctx, progress, sampler, [0, 1], step=5)
+        _streamed_step(trainer, ctx, progress, sampler, second, step=5)
         raise AssertionError("the step whose stream broke completed")
     except RuntimeError:
         pass
@@ -361,8 +397,8 @@ def _behind_then_holders_lost(env: WorkerEnv) -> dict[str, Any]:
     ctx = dataclasses.replace(ctx, rank=0, world_size=1, layout=Layout(dp=1), groups=groups)
     try:
         alone = _restore(trainer, ctx, progress, sampler)
-        return {"first": list(first), "landed": landed, "after_failure": after_failure,
-                "kept": kept, "alone": list(alone)}
+        return {"first": _said(first), "sat_out": first.sitting_out, "landed": landed,
+                "after_failure": after_failure, "kept": kept, "alone": _said(alone)}
     finally:
         destroy_groups(groups)
 
@@ -374,7 +410,7 @@ def test_a_rank_one_step_behind_keeps_its_state_until_the_newer_one_has_landed()
                           may_die=frozenset({0, 1}))
     behind = results[2]
     assert results[:2] == [None, None]
-    assert behind["first"][0] == "ranks 0,1"
+    assert behind["first"][0] == "ranks 0,1" and behind["sat_out"] == (2,)
     assert behind["landed"]["step"] == 4
     assert behind["after_failure"] == {"step": 4, "dirty": False}
     assert behind["alone"][0] == "kept"

@@ -99,10 +99,13 @@ class Restored:
     bytes_moved: int | None = None
     """Bytes of state this rank sent or received from other ranks; None where the family
     does not count them (a checkpoint read, the sharded and model-parallel families)."""
+    receiving: tuple[int, ...] = ()
+    """Data-parallel ranks whose state is still arriving: it lands in the next step, before
+    its update, and every rank holds the same state after it (a join streamed while the
+    holders train); until then the world waits for that step to re-form."""
     sitting_out: tuple[int, ...] = ()
-    """Data-parallel ranks whose state is still arriving: they train no samples in the next
-    step (the others split its global batch) and take its averaged gradients, so all hold
-    the same state after it (a join streamed while the holders train)."""
+    """Those of :attr:`receiving` that train no samples in the next step (the others split
+    its global batch) and take its averaged gradients."""
     stream_seconds: Callable[[], float | None] | None = None
     """Once the state has landed: how long its stream took from its start to the last byte
     (the transfer's own speed; the landing also waits for the step it hides in)."""

@@ -198,11 +198,15 @@ class ReplicatedTrainer(TrainStateTrainer):
         if is_receiver:
             at.take(TrainMeta.decode(outline.meta), state, stepper)
             at.progress.is_dirty = True  # its tensors are still arriving
-        self.stream = stream = Stream(tensors, agreement, group, chunk_bytes=self.chunk_bytes)
+        model_tensors = sum(name.startswith("model.") for name, _, _ in outline.signature)
+        self.stream = stream = Stream(tensors, agreement, group, chunk_bytes=self.chunk_bytes,
+                                      first=model_tensors)
         self._receiving = at.progress if is_receiver else None
         holders = ",".join(str(r) for r in agreement.holders)
         return Restored(f"rank{'s' if len(agreement.holders) > 1 else ''} {holders}",
-                        stream.bytes, sitting_out=agreement.receivers,
+                        stream.bytes, receiving=agreement.receivers,
+                        sitting_out=tuple(r for r in agreement.receivers
+                                          if r not in agreement.empty),
                         stream_seconds=lambda: stream.wire_seconds)
 
     @staticmethod
@@ -258,6 +262,9 @@ class ReplicatedTrainer(TrainStateTrainer):
     def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
               step: int) -> tuple[float, float]:
         assert self.stepper is not None
+        if self.stream is not None and micro_batches:
+            # A receiver that trains in the step its state lands in: the model first
+            self.stream.wait_first()
         loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step,
                                 before_update=self._finish_stream)
         return loss.local_mean, loss.contribution
