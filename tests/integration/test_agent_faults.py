@@ -289,7 +289,7 @@ def test_a_join_timeout_names_how_many_nodes_came_on_the_leader_and_a_follower(
     # Only the leader holds the registrations; a follower counts them for its message.
     job = job_factory(nnodes="3", steps=6)
     leader_key = f"/elastic_rt/{job.run_id}/{LEADER}"
-    job.start("a", "--join-timeout", "20")
+    job.start("a", "--join-timeout", "12")
     wait_until(lambda: kv.get(leader_key) is not None, 60, "a to lead")
     job.start("b", "--join-timeout", "3")  # gives up while the leader is still there
     codes = job.wait_all(60)
