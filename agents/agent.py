@@ -132,23 +132,15 @@ class Agent:
             EndpointUnreachableError: etcd still failed after the wait.
         """
         wait_s = self.config.rendezvous.etcd_wait.total_seconds()
-        deadline = time.monotonic() + wait_s
-        warned = False
-        while True:
-            try:
-                return self._join_once()
-            except StoreConnectionError as exc:
-                if time.monotonic() >= deadline:
-                    raise EndpointUnreachableError(
-                        f"cannot reach etcd at {self.config.rendezvous.endpoint} within "
-                        f"--etcd-wait {wait_s:g} s ({exc})",
-                        "Start etcd there (elastic-rt etcd) or fix --rdzv-endpoint.",
-                    ) from exc
-                if not warned:
-                    logger.warning("etcd at %s does not answer yet (%s); retrying for up to %g s "
-                                   "(--etcd-wait)", self.config.rendezvous.endpoint, exc, wait_s)
-                    warned = True
-                time.sleep(0.5)
+        endpoint = self.config.rendezvous.endpoint
+        try:
+            return again(self._join_once, f"the node's first calls (etcd at {endpoint} does not "
+                         "answer yet, --etcd-wait)", within=wait_s, poll=0.5)
+        except StoreConnectionError as exc:
+            raise EndpointUnreachableError(
+                f"cannot reach etcd at {endpoint} within --etcd-wait {wait_s:g} s ({exc})",
+                "Start etcd there (elastic-rt etcd) or fix --rdzv-endpoint.",
+            ) from exc
 
     def _join_once(self) -> tuple[Snapshot, bool]:
         """One try of :meth:`_joined_once_etcd_answers`; each call may be repeated."""

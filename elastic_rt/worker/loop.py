@@ -115,27 +115,6 @@ if TYPE_CHECKING:  # a worker loads these only for jobs that use them (pipelinin
 
 logger = logging.getLogger(__name__)
 
-LANDING_WEIGHTS = (2, 3)
-"""Shares of the global batch of (a receiver, a holder) in the step a receiver's state lands
-in: the receiver waits for its model to land and receives the rest while it computes, and a
-holder only sends. At 1.2 GB, nodes of 0.5 CPU, equal shares made that step 1.8-2.0 s
-longer than a normal one (``scripts/bench/recovery.py --cases inproc-join``)."""
-
-
-def split_of(dp_rank: int, dp_size: int, receiving: tuple[int, ...],
-             sitting_out: tuple[int, ...]) -> tuple[int, int, tuple[int, ...] | None]:
-    """Pure: this rank's (rank, size, weights) for the sampler. The ranks sitting out are
-    left out of the split (one of them keeps its own, and draws no samples); while a state
-    lands, a receiver that trains gets a smaller share than a holder (``LANDING_WEIGHTS``)."""
-    training = [r for r in range(dp_size) if r not in sitting_out]
-    if dp_rank not in training:
-        return dp_rank, dp_size, None
-    weights = None
-    if len(training) > 1 and any(r in receiving for r in training):
-        receiver, holder = LANDING_WEIGHTS
-        weights = tuple(receiver if r in receiving else holder for r in training)
-    return training.index(dp_rank), len(training), weights
-
 
 def run(
     *,
@@ -377,8 +356,10 @@ class _ElasticLoop:
                 self._phase("state.landed", self._restored_at, receiving=list(self.receiving),
                             sitting_out=list(self.sitting_out), bytes_moved=self._streamed_bytes,
                             **({} if wire is None else {"stream_ms": round(wire * 1000)}))
-                self.receiving, self.sitting_out = (), ()
-                self.resplit(joined)
+                if self.sitting_out:
+                    self.sitting_out = ()
+                    self.resplit(joined)
+                self.receiving = ()
             # Summed only now: the update is applied, so a peer lost during this sum must
             # not make the next round train the step again (it loses only this report).
             global_loss = self._global_loss(joined, contribution) if self.on_step else None
@@ -470,13 +451,13 @@ class _ElasticLoop:
 
     def resplit(self, joined: JoinedRound) -> None:
         """The global batch over the ranks that train it: all, except the ranks sitting out
-        the step their state lands in (who keep their own split, and draw no samples). In
-        that step a receiver that trains gets a smaller share (``LANDING_WEIGHTS``)."""
+        the step their state lands in (who keep their own split, and draw no samples)."""
         ctx = joined.ctx
-        rank, size, weights = split_of(ctx.dp_rank, ctx.dp_size, self.receiving,
-                                       self.sitting_out)
-        self.sampler.set_world(rank, size)
-        self.sampler.set_weights(weights)
+        training = [r for r in range(ctx.dp_size) if r not in self.sitting_out]
+        if ctx.dp_rank in training:
+            self.sampler.set_world(training.index(ctx.dp_rank), len(training))
+        else:
+            self.sampler.set_world(ctx.dp_rank, ctx.dp_size)
         self.balancer.reset()  # equal shares again: the speeds are measured anew
         self.batches.reset()  # batches prefetched for the old split are dropped
 
