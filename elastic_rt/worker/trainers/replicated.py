@@ -56,6 +56,12 @@ after the join of 2.25-2.58 s, and 2.11/3.31/2.83 s against 1.64-1.81 and 2.39-2
 torch's default threads: about the step after, +0.3-1.6 s beyond a normal one (on two cores
 a third worker slows every step). The stream in those runs: 1.9-2.7 GB/s, 0.39-0.57 of the
 best loopback connection (4.8 GB/s); alone (``scripts/bench/stream.py``) 4.7-5.3 GB/s.
+With each node's worker held to 0.6 CPU (``--cores-per-node 0.6``), a newcomer that sat the
+landing step out left the members +1.3 s beyond a normal step; training its share once its
+model has landed, +1.0 to +1.4 s (+0.55 to +0.85 beyond a step after the join): on this
+machine the landing step is slower on every rank in every part, AdamW's memory-bound update
+most (1.6-1.7 s of a 3.6 s step, 2.5-2.6 s there), which CPU quotas do not isolate. On a
+GPU node the newcomer's share takes the holders' extra compute of that step away.
 """
 
 from __future__ import annotations
