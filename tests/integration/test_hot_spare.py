@@ -23,7 +23,8 @@ from elastic_rt.events import Event
 from elastic_rt.harness import wait_until
 from elastic_rt.rendezvous.rounds import SPARE
 from tests.fixtures.processes import ProcessTree
-from tests.integration.launch_helpers import events, exit_code, latest_step, train_node
+from tests.integration.launch_helpers import (events, exit_code, latest_step,
+                                              release_pace_when_training, train_node)
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(300)]
 
@@ -31,9 +32,9 @@ STEPS = 300
 
 
 def _node(tree: ProcessTree, endpoint: str, run_id: str, tmp: Path, name: str, nnodes: str,
-          steps: int = STEPS):
+          steps: int = STEPS, *pace: str):
     return train_node(tree, endpoint, run_id, tmp, name, nnodes, "--steps", str(steps),
-                      "--step-time", "0.05")
+                      "--step-time", "0.05", *pace)
 
 
 def _is_spare(e: Event) -> bool:
@@ -45,17 +46,22 @@ def test_a_spare_replaces_a_lost_member_without_the_job_shrinking(
 ) -> None:
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
+    # slow steps only until c has taken b's place: the rest of the job runs at full speed
+    released = tmp_path / "pace-released"
+    pace = ("--step-time-until", str(released))
     reference = _node(process_tree, etcd_server.endpoint, run_id + "-ref", reference_dir,
-                      "solo", "1")
-    nodes = {n: _node(process_tree, etcd_server.endpoint, run_id, tmp_path, n, "2:2")
-             for n in "ab"}
+                      "solo", "1", STEPS, *pace)
+    nodes = {n: _node(process_tree, etcd_server.endpoint, run_id, tmp_path, n, "2:2", STEPS,
+                      *pace) for n in "ab"}
     wait_until(lambda: latest_step(tmp_path / "events.jsonl") >= 10, 180, "step 10")
-    nodes["c"] = _node(process_tree, etcd_server.endpoint, run_id, tmp_path, "c", "2:2")
+    nodes["c"] = _node(process_tree, etcd_server.endpoint, run_id, tmp_path, "c", "2:2",
+                       STEPS, *pace)
     log = tmp_path / "events.jsonl"
     wait_until(lambda: any(e.name == "node.waiting" and e.node == "c"
                            and e.metadata["reason"] == SPARE for e in events(log)), 120,
                "c registered and waiting as a spare, its workers started")
-    process_tree.signal_tree(nodes["b"].pid, signal.SIGKILL)
+    killed = process_tree.signal_tree(nodes["b"].pid, signal.SIGKILL)
+    release_pace_when_training(log, released, "c", since=lambda e: e.timestamp_ms / 1000 >= killed)
     for name in "ac":
         assert exit_code(nodes[name], 240, tmp_path / f"{name}.log", log) == 0
     assert reference.wait(timeout=120) == 0
