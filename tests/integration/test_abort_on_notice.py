@@ -36,11 +36,11 @@ TEN_MINUTES = "600"
 
 
 def _node(tree: ProcessTree, endpoint: str, run_id: str, tmp: Path, name: str, nnodes: str,
-          steps: int = STEPS) -> subprocess.Popen[bytes]:
+          steps: int = STEPS, *pace: str) -> subprocess.Popen[bytes]:
     args = launch_args(endpoint, run_id, nnodes, tmp / "events.jsonl", node_id=name,
                        extra=("--lease-ttl", LEASE_TTL))
     script = [SCRIPT, "--steps", str(steps), "--out", str(tmp / "params.pt"),
-              "--step-time", "0.05"]
+              "--step-time", "0.05", *pace]
     env = child_env(**{COLLECTIVE_TIMEOUT_ENV: TEN_MINUTES})
     return tree.elastic_rt(*args, *script, env=env, log=str(tmp / f"{name}.log"))
 
@@ -70,10 +70,12 @@ def test_a_hung_and_a_killed_node_cost_no_step_and_change_no_parameter(
 ) -> None:
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
+    released = tmp_path / "pace-released"  # slow steps only until both faults are behind
+    pace = ("--step-time-until", str(released))
     reference = _node(process_tree, etcd_server.endpoint, run_id + "-ref", reference_dir,
-                      "solo", "1")
-    nodes = {n: _node(process_tree, etcd_server.endpoint, run_id, tmp_path, n, "2:4")
-             for n in "abcd"}
+                      "solo", "1", STEPS, *pace)
+    nodes = {n: _node(process_tree, etcd_server.endpoint, run_id, tmp_path, n, "2:4", STEPS,
+                      *pace) for n in "abcd"}
 
     # d hangs mid-run: its lease has 30 s left and the collectives wait 10 minutes.
     wait_until(lambda: max(_steps(tmp_path), default=0) >= 25, 240, "step 25")
@@ -91,6 +93,7 @@ def test_a_hung_and_a_killed_node_cost_no_step_and_change_no_parameter(
     process_tree.signal_tree(nodes["c"].pid, signal.SIGKILL)
     wait_until(lambda: _trained_without(tmp_path, "c", after_round=killed_round), 15,
                "a step without c")
+    released.touch()
 
     for name in "ab":
         code = exit_code(nodes[name], 240, tmp_path / f"{name}.log", tmp_path / "events.jsonl")
