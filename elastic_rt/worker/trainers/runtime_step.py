@@ -39,12 +39,9 @@ from elastic_rt.worker.grad_sync import GradientBuckets, GradSync
 StepFn = Callable[[TrainState, Any], torch.Tensor]
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
-STEP_TEMPORARIES = 4
-"""A step's temporaries, in multiples of the parameters' bytes, kept in the heap between
-steps (``allocator.keep_free_at_top``): torch's foreach AdamW allocates two lists the size
-of the parameters (800 MB of page faults a step at 100M parameters), and gloo's all-reduce
-of the gradients allocates on the same heap; glibc gives back the whole free top of the
-heap as soon as it exceeds the threshold, so the threshold leaves room above them."""
+UPDATE_TEMPORARIES = 2
+"""Lists of temporaries the size of the parameters that an update allocates (torch's
+foreach AdamW: 800 MB of page faults a step at 100M parameters, ``allocator``)."""
 ABANDONED_SETTLE_S = 0.5
 """How long a re-bind waits for an abandoned round's collectives to fail before it gives up
 the gradient buckets they may still write: a survivor's usually fail within milliseconds of
@@ -111,9 +108,9 @@ class ReplicatedStep:
         self.state, self.step_fn, self.options = state, step_fn, options
         if stop_on_notice:
             stop_compute_on_notice(state.model)
-        # the step's temporaries stay in the heap between steps instead of being faulted
-        # in at every step
-        keep_free_at_top(REPLICATED_TRIM_THRESHOLD_BYTES + STEP_TEMPORARIES * sum(
+        # the update's temporaries (two lists the size of the host parameters, foreach
+        # AdamW) stay in the heap between steps instead of being faulted in at every step
+        keep_free_at_top(REPLICATED_TRIM_THRESHOLD_BYTES + UPDATE_TEMPORARIES * sum(
             p.numel() * p.element_size() for p in state.model.parameters()
             if p.device.type == "cpu"))
         self.device = next(state.model.parameters()).device
