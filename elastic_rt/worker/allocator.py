@@ -168,9 +168,7 @@ class HeapTrimmer:
 
     The settled size is the RSS after the first step, and again one step after each trim
     (the step's temporaries faulted back in), so a working set that truly grows costs one
-    trim per ``margin`` of growth, not one per step. The margin also holds the free top of
-    the heap that :func:`keep_free_at_top` keeps: trimmed, the next update faulted its
-    temporaries in again (97,000-195,000 faults a step at 100M parameters).
+    trim per ``margin`` of growth, not one per step.
 
     Args:
         min_margin_bytes: growth tolerated before a trim, at least...
@@ -197,10 +195,7 @@ class HeapTrimmer:
         if self.settled is None:
             self.settled = rss
             return False
-        # the free top a step's temporaries are kept in (keep_free_at_top) is not growth
-        kept = _trim_threshold or 0
-        margin = max(self.min_margin, int(self.settled * self.margin_fraction)) + kept
-        if rss <= self.settled + margin:
+        if rss <= self.settled + max(self.min_margin, int(self.settled * self.margin_fraction)):
             return False
         self._trim()
         self.trims += 1

@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 
-from elastic_rt.worker import allocator
 from elastic_rt.worker.allocator import HeapTrimmer, pin_heap
 
 MiB = 1 << 20
@@ -43,14 +42,6 @@ def test_growth_past_the_margin_is_trimmed_and_the_size_settles_again() -> None:
     trimmer, _ = _trimmer([800, 950, 830, 950, 1000])
     assert [trimmer.after_step() for _ in range(5)] == [False, True, False, False, True]
     assert trimmer.trims == 2
-
-
-def test_the_free_top_kept_for_an_update_is_not_growth(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 800 MiB of an update's temporaries kept (keep_free_at_top): a step that faulted them
-    # back in after a reuse of other free memory is not trimmed; beyond them, it is
-    monkeypatch.setattr(allocator, "_trim_threshold", 800 * MiB)
-    trimmer, _ = _trimmer([2000, 2800, 3000, 3100])  # margin: 2000/8 + 800
-    assert [trimmer.after_step() for _ in range(4)] == [False, False, False, True]
 
 
 def test_a_working_set_that_really_grows_costs_one_trim_per_margin() -> None:
