@@ -71,7 +71,6 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
 _M_MMAP_THRESHOLD = -3
-_M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc's own adaptation reaches (64-bit)
 REPLICATED_TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
@@ -128,9 +127,8 @@ def pin_heap(*, trim_threshold_bytes: int | None = None) -> bool:
 
 
 def keep_free_at_top(nbytes: int) -> bool:
-    """Raise the pinned trim threshold to ``nbytes`` (never lower it), and serve blocks of
-    every size from the heap: the free memory a step's largest temporaries need stays at
-    the top of the heap between steps.
+    """Raise the pinned trim threshold to ``nbytes`` (never lower it): the free memory a
+    step's largest temporaries need stays at the top of the heap between steps.
 
     An optimizer's update allocates temporaries the size of the parameters (torch's foreach
     AdamW two lists of them: 800 MB at 100M parameters) and frees them at its end; above the
@@ -138,11 +136,8 @@ def keep_free_at_top(nbytes: int) -> bool:
     195,000 minor faults a step, 0.4 s of system time with two such workers on this
     machine and 0.7-1.2 s with three faulting at once (``scripts/bench/recovery.py
     --state-mb 1200``). Kept, the heap's size between steps is its peak within a step,
-    which the step reaches anyway. glibc maps every block over its mmap threshold (at most
-    32 MiB: a tensor of more than 8M float32 elements, as a large model's layers are) on
-    its own and unmaps it at its free, whatever the trim threshold; so mmap is turned off
-    (``M_MMAP_MAX`` 0) and such blocks come from the heap too, where freed ones are reused
-    and :class:`HeapTrimmer` returns those left free inside it.
+    which the step reaches anyway. Blocks over the 32 MiB mmap threshold (a tensor of more
+    than 8M float32 elements) are mapped and unmapped by glibc whatever this says.
 
     Returns whether the threshold was raised (not when the heap was not pinned with a trim
     threshold, nor when it already keeps as much).
@@ -152,7 +147,7 @@ def keep_free_at_top(nbytes: int) -> bool:
     libc = _glibc()
     if libc is None or _trim_threshold is None or nbytes <= _trim_threshold:
         return False
-    if not (libc.mallopt(_M_TRIM_THRESHOLD, nbytes) and libc.mallopt(_M_MMAP_MAX, 0)):
+    if not libc.mallopt(_M_TRIM_THRESHOLD, nbytes):
         return False
     _trim_threshold = nbytes
     logger.debug("heap trim threshold raised to %d bytes", nbytes)

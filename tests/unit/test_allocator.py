@@ -151,11 +151,10 @@ def test_threads_allocate_from_the_main_heap_once_it_is_pinned(pinned: bool, are
 
 
 def test_an_update_sized_trim_threshold_keeps_its_temporaries_for_the_next_step() -> None:
-    """256 MiB of blocks freed together (an update's temporaries, of 16 MiB tensors and of
-    one 64 MiB one, above glibc's mmap threshold): past the pinned 64 MiB threshold they go
-    back to the system and are faulted in again; with the threshold raised to cover them
-    (``keep_free_at_top``, as a ``ReplicatedStep`` does for its parameters), allocating
-    them again faults almost nothing in."""
+    """256 MiB of 16 MiB blocks freed together (an update's temporaries): past the pinned
+    64 MiB threshold they go back to the system and are faulted in again; with the threshold
+    raised to cover them (``keep_free_at_top``, as a ``ReplicatedStep`` does for its
+    parameters), allocating them again faults almost nothing in."""
     program = textwrap.dedent("""
         import resource
         from elastic_rt.worker.allocator import keep_free_at_top, pin_heap
@@ -167,7 +166,7 @@ def test_an_update_sized_trim_threshold_keeps_its_temporaries_for_the_next_step(
         assert not keep_free_at_top(32 << 20)  # never lowered
 
         def temporaries():
-            blocks = [bytearray(16 << 20) for _ in range(12)] + [bytearray(64 << 20)]
+            blocks = [bytearray(16 << 20) for _ in range(16)]  # from the heap (< 32 MiB)
             for block in blocks:
                 block[::4096] = bytes(len(block[::4096]))
             return blocks
