@@ -77,9 +77,6 @@ REPLICATED_TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 """Replicated: where glibc's own adaptation would put it (see the module's docstring)."""
 SHARDED_TRIM_THRESHOLD_BYTES = 256 << 20
 """Under FSDP: the free top of a heap kept for the next step (see the module's docstring)."""
-_INT_MAX = (1 << 31) - 1  # mallopt takes a C int
-_trim_threshold: int | None = None
-"""The trim threshold this process pinned (None: not pinned, e.g. the user tunes glibc)."""
 _USER_SETTINGS_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
                       "GLIBC_TUNABLES")
 
@@ -115,43 +112,13 @@ def pin_heap(*, trim_threshold_bytes: int | None = None) -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    global _trim_threshold
     is_set = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
     is_set = bool(libc.mallopt(_M_ARENA_MAX, 1)) and is_set
     if trim_threshold_bytes is not None:
         is_set = bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)) and is_set
-        _trim_threshold = trim_threshold_bytes if is_set else None
     logger.debug("heap pinned (mmap threshold %d bytes, one arena): %s", MMAP_THRESHOLD_BYTES,
                  is_set)
     return is_set
-
-
-def keep_free_at_top(nbytes: int) -> bool:
-    """Raise the pinned trim threshold to ``nbytes`` (never lower it): the free memory a
-    step's largest temporaries need stays at the top of the heap between steps.
-
-    An optimizer's update allocates temporaries the size of the parameters (torch's foreach
-    AdamW two lists of them: 800 MB at 100M parameters) and frees them at its end; above the
-    trim threshold glibc gives them back and the next update faults every page in again:
-    195,000 minor faults a step, 0.4 s of system time with two such workers on this
-    machine and 0.7-1.2 s with three faulting at once (``scripts/bench/recovery.py
-    --state-mb 1200``). Kept, the heap's size between steps is its peak within a step,
-    which the step reaches anyway. Blocks over the 32 MiB mmap threshold (a tensor of more
-    than 8M float32 elements) are mapped and unmapped by glibc whatever this says.
-
-    Returns whether the threshold was raised (not when the heap was not pinned with a trim
-    threshold, nor when it already keeps as much).
-    """
-    global _trim_threshold
-    nbytes = min(nbytes, _INT_MAX)
-    libc = _glibc()
-    if libc is None or _trim_threshold is None or nbytes <= _trim_threshold:
-        return False
-    if not libc.mallopt(_M_TRIM_THRESHOLD, nbytes):
-        return False
-    _trim_threshold = nbytes
-    logger.debug("heap trim threshold raised to %d bytes", nbytes)
-    return True
 
 
 def _resident_bytes(process: psutil.Process) -> Callable[[], int]:

@@ -148,38 +148,3 @@ def test_threads_allocate_from_the_main_heap_once_it_is_pinned(pinned: bool, are
                          timeout=60, check=True, env=untuned)
     heaps = int(out.stdout)
     assert (heaps == 1) if arenas == "one" else heaps > 1, f"{heaps} arenas"
-
-
-def test_an_update_sized_trim_threshold_keeps_its_temporaries_for_the_next_step() -> None:
-    """256 MiB of 16 MiB blocks freed together (an update's temporaries): past the pinned
-    64 MiB threshold they go back to the system and are faulted in again; with the threshold
-    raised to cover them (``keep_free_at_top``, as a ``ReplicatedStep`` does for its
-    parameters), allocating them again faults almost nothing in."""
-    program = textwrap.dedent("""
-        import resource
-        from elastic_rt.worker.allocator import keep_free_at_top, pin_heap
-        import sys
-        assert not keep_free_at_top(1 << 30)  # not pinned yet: left to glibc
-        assert pin_heap(trim_threshold_bytes=64 << 20)
-        if sys.argv[1] == "raised":
-            assert keep_free_at_top(320 << 20)
-        assert not keep_free_at_top(32 << 20)  # never lowered
-
-        def temporaries():
-            blocks = [bytearray(16 << 20) for _ in range(16)]  # from the heap (< 32 MiB)
-            for block in blocks:
-                block[::4096] = bytes(len(block[::4096]))
-            return blocks
-
-        blocks = temporaries()
-        del blocks
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        blocks = temporaries()
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    """)
-
-    def faults(mode: str) -> int:
-        return int(subprocess.run([sys.executable, "-c", program, mode], capture_output=True,
-                                  text=True, timeout=60, check=True).stdout)
-    assert faults("pinned") > 40_000  # 65,536 pages
-    assert faults("raised") < 2_000

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from elastic_rt.errors import ConfigError
 from elastic_rt.process_groups import abandoned_group_count, release_abandoned
 from elastic_rt.worker.abort import stop_compute_on_notice
-from elastic_rt.worker.allocator import REPLICATED_TRIM_THRESHOLD_BYTES, keep_free_at_top
 from elastic_rt.worker.batches import to_device
 from elastic_rt.worker.train_state import TrainState
 from elastic_rt.worker.failures import user_code
@@ -39,9 +38,6 @@ from elastic_rt.worker.grad_sync import GradientBuckets, GradSync
 StepFn = Callable[[TrainState, Any], torch.Tensor]
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
-UPDATE_TEMPORARIES = 2
-"""Lists of temporaries the size of the parameters that an update allocates (torch's
-foreach AdamW: 800 MB of page faults a step at 100M parameters, ``allocator``)."""
 ABANDONED_SETTLE_S = 0.5
 """How long a re-bind waits for an abandoned round's collectives to fail before it gives up
 the gradient buckets they may still write: a survivor's usually fail within milliseconds of
@@ -108,11 +104,6 @@ class ReplicatedStep:
         self.state, self.step_fn, self.options = state, step_fn, options
         if stop_on_notice:
             stop_compute_on_notice(state.model)
-        # the update's temporaries (two lists the size of the host parameters, foreach
-        # AdamW) stay in the heap between steps instead of being faulted in at every step
-        keep_free_at_top(REPLICATED_TRIM_THRESHOLD_BYTES + UPDATE_TEMPORARIES * sum(
-            p.numel() * p.element_size() for p in state.model.parameters()
-            if p.device.type == "cpu"))
         self.device = next(state.model.parameters()).device
         self.device_type = self.device.type
         is_fp16 = options.autocast_dtype == torch.float16
