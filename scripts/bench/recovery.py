@@ -236,7 +236,7 @@ class Trial:
     these shared cores varies more than the re-form itself)."""
     stream_rate: float | None = None
     """Join: the bytes the newcomer received over the time from the end of its restore to
-    its state landing (the step it sat out done): a floor of the stream's speed."""
+    its state landing (the step it lands in done): a floor of the stream's speed."""
     admission_gap_s: float | None = None
     """Join: the members' longest gap between two of their steps from their last step before
     the round that admits c to 3 steps after it: the pause the admission itself costs, where
