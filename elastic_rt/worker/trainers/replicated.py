@@ -59,9 +59,11 @@ best loopback connection (4.8 GB/s); alone (``scripts/bench/stream.py``) 4.7-5.3
 With each node's worker held to 0.6 CPU (``--cores-per-node 0.6``), a newcomer that sat the
 landing step out left the members +1.3 s beyond a normal step; training its share once its
 model has landed, +1.0 to +1.4 s (+0.55 to +0.85 beyond a step after the join): on this
-machine the landing step is slower on every rank in every part, AdamW's memory-bound update
-most (1.6-1.7 s of a 3.6 s step, 2.5-2.6 s there), which CPU quotas do not isolate. On a
-GPU node the newcomer's share takes the holders' extra compute of that step away.
+machine the landing step is slower on every rank in every part, AdamW's update most
+(1.6-1.7 s of a 3.6 s step, 2.5-2.6 s there): each update faults its 800 MB of temporaries
+in again, and those faults cost two to three times the system time when three processes
+fault at once. On a GPU node the newcomer's share takes the holders' extra compute of that
+step away.
 """
 
 from __future__ import annotations
