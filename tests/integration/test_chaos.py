@@ -9,7 +9,7 @@ and the fault's own checks held (fenced and rejoined, training went on...).
 The full matrix is ``python scripts/chaos.py --trials N``; the audit's rules are
 unit-tested in ``tests/unit/test_chaos_audit.py``. A node's SIGKILL mid-step, a worker's
 SIGKILL and a node's SIGSTOP are among the kinds the short soak (``test_soak.py``) draws
-its 24 faults from, one job through them all; the soak restarts one member of a
+its 40 faults from, one job through them all; the soak restarts one member of a
 three-member etcd cluster, so the restart of the only etcd server is tried here.
 """
 

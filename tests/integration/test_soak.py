@@ -1,9 +1,9 @@
-"""A short soak: one 4-node job trains through 24 seeded random faults, unchanged.
+"""A short soak: one 4-node job trains through 40 seeded random faults, unchanged.
 
 ``scripts/bench/soak.py`` runs the long one (500 faults); this runs the same
 machinery (``elastic_rt.harness.soak``) with faults about a second apart, short pauses,
-and a fault that cannot land within a second giving way to one that can, in about a
-minute on two cores. The job must finish with the parameters of an uninterrupted
+and a fault that cannot land within a second giving way to one that can, in about two
+minutes on two cores. The job must finish with the parameters of an uninterrupted
 1-node run (float64, 1e-5), every step done once, every fault survived, and its
 longest-lived worker must not grow with its re-forms, nor the run's keys in etcd with its
 rounds. ``docs/soak.md`` lists what the soak found in the runtime and what it measures.
@@ -21,11 +21,11 @@ from elastic_rt.harness.soak.report import report
 from elastic_rt.harness.soak.run import run_soak
 from elastic_rt.rendezvous.registry import FAILURE_CLAIMS_KEPT
 
-CONFIG = SoakConfig(faults=24, interval=0.5, seed=20261206, min_nodes=1, pause_s=(0.3, 1.2),
-                    step_time=0.05, steps=650, hold_timeout=60.0, give_way_s=2.0,
+CONFIG = SoakConfig(faults=40, interval=0.5, seed=20261206, min_nodes=1, pause_s=(0.3, 1.2),
+                    step_time=0.05, steps=1100, hold_timeout=60.0, give_way_s=2.0,
                     stall_timeout=30.0)
-MIN_FAULTS = 18
-"""Faults that must have landed before training ran out of steps (24 are drawn)."""
+MIN_FAULTS = 30
+"""Faults that must have landed before training ran out of steps (40 are drawn)."""
 MIN_REFORMS = 6
 """Re-forms the longest-lived worker must have gone through for the bounds to mean
 anything: a worker that leaked a round's threads would be 45 threads up by then (7 and
