@@ -361,8 +361,13 @@ class _ElasticLoop:
                     self.resplit(joined)
                 self.receiving = ()
             # Summed only now: the update is applied, so a peer lost during this sum must
-            # not make the next round train the step again (it loses only this report).
-            global_loss = self._global_loss(joined, contribution) if self.on_step else None
+            # not make the next round train the step again (it loses only the global loss:
+            # the step is still reported done, or a log would show it skipped).
+            try:
+                global_loss = self._global_loss(joined, contribution) if self.on_step else None
+            except BaseException:
+                self._report_completed(joined, local_loss, None)
+                raise
             self._after_step(joined, local_loss, global_loss)
             if self.progress.step >= self.options.max_steps:
                 break
@@ -570,10 +575,7 @@ class _ElasticLoop:
         if self.heap is not None:
             self.heap.after_step()
         self._publish_progress()
-        extra = {} if global_loss is None else {"global_loss": global_loss}
-        self.events.emit("step.completed", round=ctx.round, step=step,
-                         loss=None if math.isnan(loss) else loss,
-                         world_size=ctx.world_size, **extra)
+        self._report_completed(joined, loss, global_loss)
         if self.on_step is not None and global_loss is not None:
             self.on_step(StepReport(step=step, loss=global_loss, local_loss=loss,
                                     world_size=ctx.world_size, round=ctx.round))
@@ -591,6 +593,13 @@ class _ElasticLoop:
             # A save is not a step: its time neither makes the next step look slow nor,
             # when it is long, a hang (a save that never returns is still reported).
             self.clock.resume(time.monotonic())
+
+    def _report_completed(self, joined: JoinedRound, loss: float,
+                          global_loss: float | None) -> None:
+        ctx, extra = joined.ctx, {} if global_loss is None else {"global_loss": global_loss}
+        self.events.emit("step.completed", round=ctx.round, step=self.progress.step,
+                         loss=None if math.isnan(loss) else loss,
+                         world_size=ctx.world_size, **extra)
 
     def _publish_progress(self, *, force: bool = False) -> None:
         """Rank 0 keeps the run's ``progress`` key current for ``elastic-rt status``."""

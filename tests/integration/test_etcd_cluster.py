@@ -133,15 +133,21 @@ def test_a_slow_call_that_moves_the_client_ends_the_watch_stream_on_the_member_i
     def streaming() -> int:
         return sum(t.is_alive() for t in {w._callback_thread for w in watchers if w} if t)
 
+    def on(victim: EtcdServer) -> bool:
+        """Whether the client and its watch are on ``victim`` once a put fired the watch:
+        a put that timed out on a slow machine moves the client (and benches the member)."""
+        if kv._client.endpoints[victim.endpoint].is_failed():
+            return False  # a benched member is passed over: wait for its bench to end
+        kv._client._current_endpoint_label = victim.endpoint
+        seen(fired, "the watch on the victim")
+        return _in_use(kv, etcd_cluster) is victim
+
     fired = threading.Event()
     cancel = kv.on_change("/moves/", fired.set)
     try:
         seen(fired, "the watch to fire")
         for victim in (*followers, followers[0]):
-            wait_until(lambda: not kv._client.endpoints[victim.endpoint].is_failed(), 10,
-                       "the member's bench to end")  # a benched member is passed over
-            kv._client._current_endpoint_label = victim.endpoint
-            seen(fired, "the watch on the victim")
+            wait_until(lambda: on(victim), 30, "the client and its watch on the victim")
             times_out_while_stopped(kv, victim, "/moves/k")  # the next call goes elsewhere
             seen(fired, "the watch to move")
             assert _in_use(kv, etcd_cluster) is not victim

@@ -191,15 +191,25 @@ def _assert_same_training(tmp: Path, log: list[Event], survivors: tuple[str, ...
 def _came_back_through_standby(log: list[Event], node: str,
                                since: Callable[[Event], bool]) -> None:
     """``node``'s replacement workers started in standby, after ``since``, and the survivors
-    trained on until the round that took it back (so they never waited for its import)."""
+    trained without its ranks in the rounds before the one that took it back (a round
+    that waited for its workers would have held their ranks).
+
+    Told by round numbers, not by where the events fall in the log: rank 0 publishes a
+    step's progress, which lets the node ask for its ranks back once that round trained,
+    before it writes the step's event (the likely reading of a clean-clone run that failed
+    the log-order check: the survivors' first step without c came late, and its event
+    after the round that took c back).
+    """
     after = next(i for i, e in enumerate(log) if since(e))
     started = [i for i, e in enumerate(log) if i > after and e.node == node
                and e.name == "worker.restarted"]
     assert [log[i].metadata.get("standby") for i in started] == [True], log[after:]
-    back = next(i for i, e in enumerate(log) if i > started[0] and e.name == "round.formed"
+    back = next(e for e in log[started[0]:] if e.name == "round.formed"
                 and e.source == "agent" and node in e.metadata.get("members", ())
                 and e.metadata.get("world_size") == 3)
-    trained = [e for e in log[started[0]:back] if e.name == "step.completed" and e.node != node]
+    assert back.round is not None
+    trained = [e for e in log[after:] if e.name == "step.completed" and e.node != node
+               and (e.round or 0) < back.round and e.metadata.get("world_size") == 2]
     assert trained, f"the survivors waited for {node}'s workers to start"
 
 
