@@ -574,8 +574,10 @@ class _ElasticLoop:
             self.progress.paused_at = None
         if self.heap is not None:
             self.heap.after_step()
-        self._publish_progress()
+        # The event first: the progress published lets a waiting node ask to join, and the
+        # log should show the step before the round that follows from it.
         self._report_completed(joined, loss, global_loss)
+        self._publish_progress()
         if self.on_step is not None and global_loss is not None:
             self.on_step(StepReport(step=step, loss=global_loss, local_loss=loss,
                                     world_size=ctx.world_size, round=ctx.round))
