@@ -83,11 +83,18 @@ trial, only by elastic-rt's own failure handling (a failed socket, or the notice
 the round that drops the peer). Recovery times are reported as median and p90 over
 the trials.
 
-Both scripts build a two-layer MLP on 16 samples per rank (48 per step) and sleep
-``--step-time`` per step (simulated compute). By default it is the 2,000-parameter
+Both scripts build an MLP on 16 samples per rank (48 per step) and sleep ``--step-time``
+per step (simulated compute). By default it is the 2,000-parameter
 Linear(64, 64)-Tanh-Linear(64, 1), which says nothing about large models: ``--state-mb``
 sizes it to that much replica state instead (12 bytes a parameter: weights and AdamW's
-two moments; 50, 400 and 1200 are what users have). Then each trial also reports the
+two moments; 50, 400 and 1200 are what users have). In-process cases then build it of
+Linear(2048, 2048) layers (24 at 1.2 GB: 100.7M parameters, the model of issue 22), as
+large models are built; ``--shape wide`` puts it all in one Linear(1024, H) instead, the
+bench's model before 2026-12-07, whose single 400 MB tensor makes every AdamW update map
+its temporaries afresh (glibc maps blocks over 32 MiB and unmaps them at their free) and
+so fault 800 MB in a step (figures in the docs dated before then were taken with it). At
+1.2 GB the layers' step here is about as long (2.7-3.3 s at 0.6 CPU a node), and more of it
+is forward and backward. Then each trial also reports the
 survivors' normal step (the median gap between their steps before the fault), recovery
 and pause *beyond* it, and the bytes of state the survivors' restore moved (the
 ``bytes_moved`` of their ``state.restored`` events; "-" where the restore does not say).
@@ -154,7 +161,8 @@ SPARE_NODE = "d"
 FAST_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,close_timeout=1"
 FAST_MONITOR = 0.1
 STATE_BYTES_PER_PARAM = 12  # float32 weights and AdamW's two moments
-WIDE_INPUT = 1024  # --state-mb's model: Linear(1024, H)-Tanh-Linear(H, 1)
+LAYER = 2048  # --state-mb's model: Linear(2048, 2048) layers (4.2M parameters each)
+WIDE_INPUT = 1024  # --shape wide: Linear(1024, H)-Tanh-Linear(H, 1), one layer of them all
 NODE_PERIOD_US = 100_000  # a node's quota period (--cores-per-node): see cpu_quota
 _POLL_S = 0.02  # how often waits look at the progress files (recovery times are in 0.1 s)
 T = TypeVar("T")
@@ -329,14 +337,20 @@ class Job:
         common = ["--steps", "100000", "--step-time", str(a.step_time)]
         params = int(a.state_mb * 1e6 / STATE_BYTES_PER_PARAM)
         if self.case.in_process:
-            size = (["--width", str(WIDE_INPUT), "--hidden", str(max(1, params // WIDE_INPUT))]
-                    if a.state_mb else ["--width", "64"])
+            size = self._size(params) if a.state_mb else ["--width", "64"]
             return [ELASTIC_SCRIPT, *common, *size, *self.case.script_flags, "--global-batch", "48",
                     "--checkpoint", str(self.work / "ckpt"), "--every", str(a.ckpt_every)]
         width = int(params ** 0.5) if a.state_mb else 64  # Linear(w, w)-Tanh-Linear(w, 1)
         return [TORCHRUN_SCRIPT, *common, "--width", str(width),
                 "--ckpt", str(self.work / "ckpt.pt"),
                 "--ckpt-every", str(a.ckpt_every), "--progress", str(self.output)]
+
+    def _size(self, params: int) -> list[str]:
+        """The example's options for a model of about ``params`` parameters."""
+        if self.args.shape == "wide":
+            return ["--width", str(WIDE_INPUT), "--hidden", str(max(1, params // WIDE_INPUT))]
+        depth = max(1, round(params / (LAYER * (LAYER + 1))))
+        return ["--width", str(LAYER), "--hidden", str(LAYER), "--depth", str(depth)]
 
     def _command(self, node: str) -> list[str]:
         if self.case.launcher == "elastic":
@@ -675,6 +689,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--state-mb", type=float, default=0,
                    help="size the model to this much replica state (MB; 0: the 2,000-parameter "
                         "model)")
+    p.add_argument("--shape", choices=["layers", "wide"], default="layers",
+                   help="of the --state-mb model (in-process cases): Linear(2048, 2048) layers, "
+                        "as large models are built, or wide: one Linear(1024, H) of them all")
     p.add_argument("--step-time", type=float, default=0.05, help="simulated compute per step (s)")
     p.add_argument("--lease-ttl", type=int, default=3, help="elastic-rt --lease-ttl (s)")
     p.add_argument("--collective-timeout", type=float, default=600,
@@ -714,8 +731,9 @@ def main() -> int:
               file=sys.stderr)
         return 2
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    shape = "Linear(2048, 2048) layers" if args.shape == "layers" else "one wide layer"
     state = (f"{args.state_mb:g} MB of replica state "
-             f"({args.state_mb * 1e6 / STATE_BYTES_PER_PARAM / 1e6:.1f}M parameters)"
+             f"({args.state_mb * 1e6 / STATE_BYTES_PER_PARAM / 1e6:.1f}M parameters, {shape})"
              if args.state_mb else "a 2,000-parameter model")
     cores = (f"{args.cores_per_node:g} CPUs per node (a cgroup quota each)" if args.cores_per_node
              else "the nodes share the machine's cores")

@@ -34,12 +34,18 @@ class Regression(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def make_model(width: int, hidden: int) -> torch.nn.Module:
-    """The same initial model on every rank (and in the tests' one-process reference)."""
+def make_model(width: int, hidden: int, depth: int = 1) -> torch.nn.Module:
+    """The same initial model on every rank (and in the tests' one-process reference).
+
+    ``depth`` hidden layers: a large model is many layers of a few million parameters each,
+    not one layer of a hundred million, and the allocator treats the two differently (an
+    optimizer's temporaries for a 400 MB tensor are mapped and unmapped at every step).
+    """
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(width, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
-    )
+    layers: list[torch.nn.Module] = [torch.nn.Linear(width, hidden), torch.nn.Tanh()]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 1))
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--width", type=int, default=32, help="input features")
     p.add_argument("--hidden", type=int, default=64, help="hidden units (the model's size)")
+    p.add_argument("--depth", type=int, default=1, help="hidden layers of --hidden units")
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--step-time", type=float, default=0.0, help="simulated extra compute per step")
     p.add_argument("--step-time-until", default=None, metavar="FILE",
@@ -88,7 +95,7 @@ def main() -> None:
 
     def build(layout: ert.Layout) -> ert.TrainState:
         """Model and optimizer; called once per worker (survivors keep theirs)."""
-        model = make_model(args.width, args.hidden)
+        model = make_model(args.width, args.hidden, args.depth)
         if args.device == "worker":
             model = model.to(ert.worker_device())  # before the optimizer takes its parameters
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
