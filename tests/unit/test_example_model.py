@@ -14,6 +14,7 @@ def test_depth_one_is_the_two_layer_model_the_tests_compare_against() -> None:
 
 def test_each_extra_depth_adds_one_hidden_layer_of_the_same_width() -> None:
     model = make_model(4, 8, depth=3)
-    shapes = [tuple(m.weight.shape) for m in model if isinstance(m, torch.nn.Linear)]
+    shapes = [tuple(m.weight.shape) for m in model.modules()
+              if isinstance(m, torch.nn.Linear)]
     assert shapes == [(8, 4), (8, 8), (8, 8), (1, 8)]
     assert make_model(4, 8, depth=3)(torch.ones(2, 4)).shape == (2, 1)
