@@ -62,8 +62,15 @@ model has landed, +1.0 to +1.4 s (+0.55 to +0.85 beyond a step after the join): 
 machine the landing step is slower on every rank in every part, AdamW's update most
 (1.6-1.7 s of a 3.6 s step, 2.5-2.6 s there): each update faults its 800 MB of temporaries
 in again, and those faults cost two to three times the system time when three processes
-fault at once. On a GPU node the newcomer's share takes the holders' extra compute of that
-step away.
+fault at once (that is the bench's former model, one 400 MB layer). Built of Linear(2048,
+2048) layers, as issue 22 measured it, an update faults almost nothing, yet the join costs
+more here: +1.4 to +2.6 s beyond a normal step, +0.8 to +1.9 beyond a step after (3 trials).
+The newcomer's forward and backward take 2.6 s against the members' 2.0-2.1 s (its 1.2 GB
+arrives within its own 0.6 CPU), the members wait 0.9 s for it in the all-reduce, and every
+rank's update takes 1.6-2.4 s against 1.0-1.5 s before the join, 1.0-1.4 CPU-seconds
+against 0.6-0.9: three processes updating 100M parameters at once share one memory bus
+here, which a cluster's nodes do not (their updates stay at 1.6-1.7 s after the join). On
+a GPU node the newcomer's share takes the holders' extra compute of that step away.
 """
 
 from __future__ import annotations
