@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from elastic_rt.cli.flags import parse_endpoint
-from elastic_rt.errors import ConfigError, StoreError
+from elastic_rt.errors import ConfigError, StoreConnectionError, StoreError
 from elastic_rt.etcd_server import EtcdServer
 from elastic_rt.harness import REPO, child_env, wait_until
 from elastic_rt.harness.waits import WaitTimeout
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from elastic_rt.rendezvous.kv import Get, Put
-from tests.fixtures.etcd import put_and_see, times_out_while_stopped
+from tests.fixtures.etcd import put_and_see
 from tests.fixtures.processes import ProcessTree
 from tests.integration.launch_helpers import events, launch_args
 
@@ -133,22 +133,33 @@ def test_a_slow_call_that_moves_the_client_ends_the_watch_stream_on_the_member_i
     def streaming() -> int:
         return sum(t.is_alive() for t in {w._callback_thread for w in watchers if w} if t)
 
-    def on(victim: EtcdServer) -> bool:
-        """Whether the client and its watch are on ``victim`` once a put fired the watch:
-        a put that timed out on a slow machine moves the client (and benches the member)."""
+    def slow_call_on(victim: EtcdServer) -> bool:
+        """Whether a read timed out on ``victim``, stopped, with the client and its watch
+        moved there (a put fired the watch) first. False when the read went elsewhere: a
+        put that timed out on a slow machine moves the client, and the watch re-arming on
+        its own thread may take a member of its choosing while the label is set here."""
         if kv._client.endpoints[victim.endpoint].is_failed():
             return False  # a benched member is passed over: wait for its bench to end
         kv._client._current_endpoint_label = victim.endpoint
         seen(fired, "the watch on the victim")
-        return _in_use(kv, etcd_cluster) is victim
+        if _in_use(kv, etcd_cluster) is not victim:
+            return False
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            kv.get("/moves/k")
+            return False
+        except StoreConnectionError:
+            return True  # the next call goes elsewhere
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
 
     fired = threading.Event()
     cancel = kv.on_change("/moves/", fired.set)
     try:
         seen(fired, "the watch to fire")
         for victim in (*followers, followers[0]):
-            wait_until(lambda: on(victim), 30, "the client and its watch on the victim")
-            times_out_while_stopped(kv, victim, "/moves/k")  # the next call goes elsewhere
+            wait_until(lambda: slow_call_on(victim), 60, "a read timed out on the victim")
             seen(fired, "the watch to move")
             assert _in_use(kv, etcd_cluster) is not victim
             again = threading.Event()  # as a round's watch is armed after a failure
