@@ -194,11 +194,10 @@ def _came_back_through_standby(log: list[Event], node: str,
     trained without its ranks in the rounds before the one that took it back (a round
     that waited for its workers would have held their ranks).
 
-    Told by round numbers, not by where the events fall in the log: rank 0 publishes a
-    step's progress, which lets the node ask for its ranks back once that round trained,
-    before it writes the step's event (the likely reading of a clean-clone run that failed
-    the log-order check: the survivors' first step without c came late, and its event
-    after the round that took c back).
+    Told by round numbers, not by where the events fall in the log: the node asks for its
+    ranks back once rank 0 has published a step of that round, and another survivor's
+    event for the step may be written after the round it led to (a clean-clone run failed
+    the log-order check while rank 0 still published before writing its own event).
     """
     after = next(i for i, e in enumerate(log) if since(e))
     started = [i for i, e in enumerate(log) if i > after and e.node == node
