@@ -30,6 +30,8 @@ only the runtime's CPU collectives, which it waits on through the notice itself.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 import time
 from datetime import timedelta
@@ -40,6 +42,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName
 
 from elastic_rt.errors import RoundAbandoned
+
+logger = logging.getLogger(__name__)
 
 BACKEND = "elastic_gloo"
 """torch's name for the backend (``init_process_group(BACKEND, ...)``, ``new_group``)."""
@@ -71,15 +75,18 @@ class NoticedWork(dist._Work):
     for a while and then again: it waits in slices. A send's or a recv's cannot (a wait
     that times out completes it with the timeout's error), so it is waited on whole by a
     thread of its own, and the caller waits for that thread in slices; on notice that
-    thread is left blocked in gloo with the abandoned round (one per abandoned send/recv).
+    thread is left blocked in gloo with the abandoned round (one per abandoned send/recv)
+    until the peer's sockets close, or this process exits (:func:`end_blocked_waits`).
     """
 
-    def __init__(self, gloo_work: dist.Work, *, point_to_point: bool) -> None:
+    def __init__(self, gloo_work: dist.Work, *,
+                 point_to_point: tuple[dist.ProcessGroup, int | None] | None = None) -> None:
+        """``point_to_point``: for a send or a recv, its group and peer (None: any)."""
         super().__init__()
         self._work = gloo_work
         # Started at once, not at the first wait: a send that nobody waits on (its round
         # abandoned first) must still finish, so that its group can be released.
-        self._waiter: _Waiter | None = _Waiter(gloo_work) if point_to_point else None
+        self._waiter = _Waiter(gloo_work, *point_to_point) if point_to_point else None
         self._waited_out = False  # a wait returned: finished, whatever the work says
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -151,12 +158,20 @@ class NoticedWork(dist._Work):
 
 
 class _Waiter:
-    """One send's or recv's whole wait, in a thread of its own, started at once."""
+    """One send's or recv's whole wait, in a thread of its own, started at once.
 
-    def __init__(self, work: dist.Work) -> None:
+    ``gloo`` and ``peer`` (the rank it sends to or receives from; None: any) are kept
+    so that :func:`end_blocked_waits` can end the wait at the process's exit.
+    """
+
+    def __init__(self, work: dist.Work, gloo: dist.ProcessGroup, peer: int | None) -> None:
         self._work = work
+        self.gloo = gloo
+        self.peer = peer
         self._done = threading.Event()
         self._error: BaseException | None = None
+        with _blocked_lock:
+            _blocked.add(self)
         threading.Thread(target=self._run, name="noticed-gloo-p2p", daemon=True).start()
 
     def _run(self) -> None:
@@ -166,6 +181,8 @@ class _Waiter:
             self._error = exc
         finally:
             self._done.set()
+            with _blocked_lock:
+                _blocked.discard(self)
 
     def wait(self, seconds: float) -> bool:
         """Whether the work finished within ``seconds``; raises the work's own error."""
@@ -177,6 +194,77 @@ class _Waiter:
 
     def is_done(self) -> bool:
         return self._done.is_set()
+
+    def ended(self, seconds: float) -> bool:
+        """Whether the wait came back within ``seconds`` (with or without an error)."""
+        return self._done.wait(seconds)
+
+
+_blocked: set[_Waiter] = set()
+"""Every send's or recv's wait still blocked in gloo (an abandoned round's, mostly)."""
+_blocked_lock = threading.Lock()
+
+_ENDING_TAG = 2**31 - 1
+"""The tag of the receive that :func:`end_blocked_waits` lets time out (no one sends it)."""
+
+
+def end_blocked_waits(within_s: float = 2.0) -> int:
+    """End every send's or recv's wait still blocked in gloo; how many are left blocked.
+
+    Why: such a wait ends when its peer's process exits, which at a job's end is about
+    when this one exits too. A thread that comes back from C++ while the interpreter
+    finalizes is ended by CPython (``pthread_exit``), and its unwinding through pybind11's
+    GIL guard, a ``noexcept`` destructor, aborts the process: "terminate called without an
+    active exception", SIGABRT, after the job's last step (1 run in 6 of an FSDP kill test,
+    whose peer copies are point to point; the agent counted a failed worker). gloo's own
+    way out is used instead: a receive on the same group that times out fails every pair
+    of that group, which wakes every wait on it with an error (and the peer's, whose
+    socket closes). Registered with ``atexit``, which runs before finalization; only
+    groups with a blocked wait are touched, and at exit those would fail anyway.
+
+    Does not cover a round still connecting at exit (``noticed-gloo-connect``): gloo's
+    constructor has no wait to wake.
+    """
+    with _blocked_lock:
+        waiters = list(_blocked)
+    if not waiters:
+        return 0
+    deadline = time.monotonic() + within_s
+    by_group: dict[int, list[_Waiter]] = {}
+    for waiter in waiters:
+        by_group.setdefault(id(waiter.gloo), []).append(waiter)
+    for group_waiters in by_group.values():
+        gloo = group_waiters[0].gloo
+        known = list(dict.fromkeys(w.peer for w in group_waiters if w.peer is not None))
+        others = [r for r in range(gloo.size()) if r != gloo.rank() and r not in known]
+        for peer in known + others:  # a dead peer's pair fails at once, without the timeout
+            _fail_every_pair(gloo, peer)
+            if all(w.ended(_PAIRS_FAIL_S) for w in group_waiters):
+                break
+    left = sum(not w.ended(max(0.0, deadline - time.monotonic())) for w in waiters)
+    if left:
+        logger.warning("%d point-to-point waits of gloo are still blocked at exit", left)
+    else:
+        logger.info("ended %d point-to-point waits of gloo still blocked at exit", len(waiters))
+    return left
+
+
+_PAIRS_FAIL_S = 0.2
+"""How long a failed group's waits get to come back before the next peer is tried."""
+
+
+def _fail_every_pair(gloo: dist.ProcessGroup, peer: int) -> None:
+    """Post a receive from ``peer`` that nobody sends and let it time out: gloo then fails
+    every pair of the group (its answer to a timed-out point-to-point wait)."""
+    try:
+        gloo.recv([torch.empty(1)], peer, _ENDING_TAG).wait(timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # the timeout (or the pair had already failed): either way the pairs are done
+    except Exception:  # at exit, never in the way of the exit itself
+        logger.warning("could not end the waits of a gloo group at exit", exc_info=True)
+
+
+atexit.register(end_blocked_waits)
 
 
 class NoticedGloo(dist.ProcessGroup):
@@ -311,7 +399,11 @@ def _forwarded(name: str) -> Callable[..., NoticedWork]:
 
     def collective(self: NoticedGloo, *args: Any, **kwargs: Any) -> NoticedWork:
         work = getattr(self._group, name)(*args, **kwargs)
-        return self._issued(NoticedWork(work, point_to_point=point_to_point))
+        if not point_to_point:
+            return self._issued(NoticedWork(work))
+        # torch calls send(tensors, dst, tag), recv(tensors, src, tag), recv_anysource(tensors, tag)
+        peer = args[1] if name != "recv_anysource" and len(args) > 1 else None
+        return self._issued(NoticedWork(work, point_to_point=(self._group, peer)))
 
     collective.__name__ = name
     collective.__doc__ = f"gloo's ``{name}``, waited on through the notice."

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -25,10 +26,13 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from elastic_rt.errors import RoundAbandoned
+from elastic_rt.etcd_server import free_port
+from elastic_rt.harness import PYTHON, REPO, child_env
 from elastic_rt.layout import Layout
 from elastic_rt.noticed_gloo import NoticedGloo
 from elastic_rt.process_groups import Groups, abandon_groups, destroy_groups, init_groups
 from elastic_rt.worker.abort import round_notice
+from tests.fixtures.processes import ProcessTree
 from tests.fixtures.torchdist import (
     NOTICE_AFTER_S,
     TEN_MINUTES,
@@ -190,3 +194,21 @@ def test_a_round_that_loses_a_peer_while_its_groups_form_is_abandoned_on_notice(
         assert survivor["outcome"] == "abandoned"
         assert survivor["waited"] < NOTICE_AFTER_S + 2.0, survivor  # not the 10 minutes
     assert [r["sum"] for r in results] == [6.0] * 3
+
+
+def test_a_process_exits_cleanly_with_a_send_or_recv_of_an_abandoned_round_still_blocked(
+    process_tree: ProcessTree, tmp_path: Path
+) -> None:
+    """A job's workers exit together at its end; one whose abandoned round still waits on a
+    recv from another used to abort (SIGABRT) when that peer's exit freed the wait while
+    the interpreter finalized. Deterministic: the peer leaves just then (the fixture)."""
+    port = free_port()
+    fixture = [PYTHON, "-m", "tests.fixtures.exit_with_blocked_p2p"]
+    ranks = [process_tree.start([*fixture, str(rank), str(port), str(tmp_path)], env=child_env(),
+                                log=tmp_path / f"rank{rank}.log", cwd=REPO)
+             for rank in range(2)]
+    codes = [rank.wait(timeout=60) for rank in ranks]
+    output = (tmp_path / "rank1.log").read_text()
+    assert (tmp_path / "rank1-finalizing").exists(), output  # the peer did leave just then
+    assert codes == [0, 0], output
+    assert "terminate called" not in output
