@@ -2,7 +2,9 @@
 
 The caller blocks only while tensors are copied into CPU staging buffers. The
 buffers are kept and reused from save to save, so steady-state staging allocates
-nothing and holds at most one extra copy of the state (1x its size). One write is in
+nothing and holds at most one extra copy of the state (1x its size); the elastic loop
+has the first save's made on a thread of its own beside the first steps
+(:meth:`Stager.reserve`), so that no save faults fresh memory in. One write is in
 flight at a time: the next save first waits for the previous one, because the
 previous write still reads the staging buffers.
 
@@ -17,6 +19,7 @@ background write waits for a CUDA event recorded after the copies
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -50,10 +53,46 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._reserving: threading.Thread | None = None
 
     @property
     def nbytes(self) -> int:
+        self._reserved()
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def reserve(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Allocate and fault in, on a thread of its own, the buffers that :meth:`stage`
+        would make for ``tensors``; whether there were any to make.
+
+        Why: the first save made them in the training thread, and faulting in a state's
+        size of fresh memory is most of its cost (1.2 GB at 0.6 CPU: the first save
+        blocked 5.2 s, the next 0.5 s). Made ahead, they cost the same memory from the
+        start instead of from the first save, and the save only copies.
+        """
+        self._reserved()
+        missing = {key: (_local(t).shape, _local(t).dtype, should_pin(_local(t)))
+                   for key, t in tensors.items() if not self._fits(key, _local(t))}
+        if not missing:
+            return False
+
+        def make() -> None:
+            for key, (shape, dtype, pin) in missing.items():
+                self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=pin).fill_(0)
+
+        self._reserving = threading.Thread(target=make, name="ckpt-stage-reserve", daemon=True)
+        self._reserving.start()
+        return True
+
+    def _reserved(self) -> None:
+        """Wait for buffers being reserved: only then is ``_buffers`` this thread's."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+
+    def _fits(self, key: str, local: torch.Tensor) -> bool:
+        buffer = self._buffers.get(key)
+        return (buffer is not None and buffer.shape == local.shape and buffer.dtype == local.dtype
+                and buffer.is_pinned() == should_pin(local))
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> Staged:
         """CPU copies of ``tensors`` that later training steps cannot change.
@@ -61,6 +100,7 @@ class Stager:
         Copies from a GPU may still be in flight: call :meth:`Staged.wait_copied`
         before reading the copies.
         """
+        self._reserved()
         for stale in set(self._buffers) - set(tensors):
             del self._buffers[stale]
         staged = {key: self._stage_one(key, tensor) for key, tensor in tensors.items()}
@@ -74,12 +114,10 @@ class Stager:
 
     def _stage_one(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         local = _local(tensor)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype \
-                or buffer.is_pinned() != local.is_cuda:
-            buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu",
-                                 pin_memory=should_pin(local))
-            self._buffers[key] = buffer
+        if not self._fits(key, local):
+            self._buffers[key] = torch.empty(local.shape, dtype=local.dtype, device="cpu",
+                                             pin_memory=should_pin(local))
+        buffer = self._buffers[key]
         # From pinned memory the copy is asynchronous; from a CPU tensor it is plain.
         buffer.copy_(local.detach(), non_blocking=local.is_cuda)
         if not isinstance(tensor, DTensor):

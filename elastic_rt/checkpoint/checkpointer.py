@@ -132,6 +132,7 @@ class Checkpointer:
         self._events = events
         self._timeout = collective_timeout
         self._stager = Stager()
+        self._staging_reserved = False
         self._writer = BackgroundWriter()
         self._side: tuple[Any, Any] | None = None
         self._round_of = round_of
@@ -208,6 +209,18 @@ class Checkpointer:
             self._writer.submit(job)
         else:
             self._unclaimed = job()
+
+    def reserve_staging(self, state: Callable[[], dict[str, Any]]) -> bool:
+        """Make the first async save's staging buffers for ``state()`` now, in the
+        background (:meth:`Stager.reserve`: the first save no longer faults a state's size
+        of fresh memory in the training thread); whether it started. Once per
+        checkpointer (``state`` is called only then): later layouts' buffers are made by
+        the save that needs them, as before.
+        """
+        if not self.async_save or self.every_steps == 0 or self._staging_reserved:
+            return False
+        self._staging_reserved = True
+        return self._stager.reserve(flatten(state()).tensors)
 
     @property
     def is_writing(self) -> bool:

@@ -581,6 +581,12 @@ class _ElasticLoop:
         if self.on_step is not None and global_loss is not None:
             self.on_step(StepReport(step=step, loss=global_loss, local_loss=loss,
                                     world_size=ctx.world_size, round=ctx.round))
+        if (self.checkpoint is not None and not self.checkpoint.should_save(step)
+                and self.checkpoint.every_steps <= self.options.max_steps):
+            # A save will come: its staging buffers are made beside the next steps, not by
+            # the first save in the training thread; after a step, when the optimizer's
+            # state exists (AdamW makes its moments in the first step), once per process.
+            self.checkpoint.reserve_staging(self.trainer.checkpoint_state)
         if self.checkpoint is not None and self.checkpoint.should_save(step):
             self._save_began = time.monotonic()
             try:

@@ -6,12 +6,15 @@ The CUDA path (pinned buffers, non-blocking copies, an event before the write) r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from elastic_rt.checkpoint.async_save import Stager, should_pin
+from elastic_rt.checkpoint.checkpointer import Checkpointer
 
 
 def test_staged_copies_keep_the_values_of_the_save_step() -> None:
@@ -55,3 +58,29 @@ def test_a_dtensor_is_staged_as_a_dtensor_over_the_staging_buffer() -> None:
         assert second.to_local().tolist() == [0.0, 1.0, 2.0, 3.0]
     finally:
         dist.destroy_process_group()
+
+
+def test_buffers_reserved_ahead_are_the_ones_the_first_save_copies_into() -> None:
+    stager = Stager()
+    weights, bias = torch.arange(6.0), torch.zeros(2)
+    assert stager.reserve({"w": weights, "b": bias})  # made on a thread of its own
+    assert stager.nbytes == 8 * 4  # waits for that thread
+    reserved = stager.stage({"w": weights, "b": bias}).tensors
+    assert not stager.reserve({"w": weights, "b": bias})  # nothing left to make
+    again = stager.stage({"w": weights + 1, "b": bias}).tensors
+    assert again["w"].data_ptr() == reserved["w"].data_ptr()
+    assert again["w"].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert stager.reserve({"w": torch.zeros(3)})  # another shape: made anew
+    assert stager.stage({"w": torch.ones(3)}).tensors["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_checkpointer_reserves_staging_once_and_only_for_async_saves(tmp_path: Path) -> None:
+    def state() -> dict:
+        return {"model": {"w": torch.zeros(4)}}
+
+    assert not Checkpointer(str(tmp_path / "never"), every_steps=0).reserve_staging(state)
+    assert not Checkpointer(str(tmp_path / "sync"), every_steps=5,
+                            async_save=False).reserve_staging(state)
+    checkpointer = Checkpointer(str(tmp_path / "async"), every_steps=5)
+    assert checkpointer.reserve_staging(state)
+    assert not checkpointer.reserve_staging(lambda: {"model": {"w": torch.zeros(8)}})
