@@ -237,6 +237,8 @@ class _ElasticLoop:
         self._stream_seconds: Callable[[], float | None] | None = None
         self._save_began: float | None = None
         """When the last save began (monotonic)."""
+        self._state_streamed_in = False
+        """Whether this process joined a running job (its state came from the others)."""
         self._growth_waits = 0
         """Boundaries the ranks have trained past a newer round, waiting for a save."""
         self.clock = StepClock()
@@ -442,6 +444,7 @@ class _ElasticLoop:
                                                   sampler=self.sampler, progress=self.progress,
                                                   run_reached=self._published_step))
         self.receiving, self.sitting_out = restored.receiving, restored.sitting_out
+        self._state_streamed_in |= joined.ctx.dp_rank in restored.receiving
         self._restored_at, self._streamed_bytes = time.monotonic(), restored.bytes_moved
         self._stream_seconds = restored.stream_seconds
         streaming: dict[str, Any] = {"receiving": list(restored.receiving),
@@ -582,10 +585,14 @@ class _ElasticLoop:
             self.on_step(StepReport(step=step, loss=global_loss, local_loss=loss,
                                     world_size=ctx.world_size, round=ctx.round))
         if (self.checkpoint is not None and not self.checkpoint.should_save(step)
-                and self.checkpoint.every_steps <= self.options.max_steps):
+                and self.checkpoint.every_steps <= self.options.max_steps
+                and not self._state_streamed_in):
             # A save will come: its staging buffers are made beside the next steps, not by
             # the first save in the training thread; after a step, when the optimizer's
             # state exists (AdamW makes its moments in the first step), once per process.
+            # Not on a rank that joined a running job: on CPUs the others would wait for
+            # it in every step the buffers take (1.2 GB at 0.6 CPU: 6-7 s steps after a
+            # join, against 3.5 s); its first save makes them, as every save did before.
             self.checkpoint.reserve_staging(self.trainer.checkpoint_state)
         if self.checkpoint is not None and self.checkpoint.should_save(step):
             self._save_began = time.monotonic()
