@@ -11,6 +11,7 @@ the parent is SIGKILLed), and data dirs of dead parents are swept at the next st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -67,9 +68,22 @@ def find_etcd_binary() -> str:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` different ports that were free a moment ago.
+
+    All are held at once while the OS picks them: picked one by one, a port let go can
+    be handed out again (a clean-clone run gave two members of a test's etcd cluster the
+    same peer port, and the second could not start).
+    """
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                 for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -128,7 +142,7 @@ class EtcdServer:
     def peer_url(self) -> str:
         """This member's entry for ``initial_cluster`` (the peer port is picked here)."""
         if self.peer_port == 0:
-            self.peer_port = free_port(self.host)
+            self.peer_port = next(p for p in free_ports(2, self.host) if p != self.port)
         return f"{self.name}=http://{self.host}:{self.peer_port}"
 
     def start(self, timeout: float = 30.0, *, wait: bool = True) -> "EtcdServer":
@@ -144,7 +158,7 @@ class EtcdServer:
         """
         binary = find_etcd_binary()
         if self.port is None:
-            self.port = free_port(self.host)
+            self.port = next(p for p in free_ports(2, self.host) if p != self.peer_port)
         elif not is_port_free(self.port, self.host):
             raise ConfigError(
                 f"port {self.port} on {self.host} is already in use",
@@ -205,8 +219,8 @@ class EtcdServer:
                 assert self._stderr is not None
                 self._stderr.seek(0)
                 err = self._stderr.read().decode(errors="replace")
-                self.stop()
                 code = self._process.returncode
+                self.stop()
                 raise ElasticError(f"etcd exited with code {code}: {err[-500:]}")
             try:
                 with urllib.request.urlopen(url, timeout=1, context=context) as response:

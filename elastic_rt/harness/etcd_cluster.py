@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from elastic_rt.etcd_server import EtcdServer
+from elastic_rt.etcd_server import EtcdServer, free_ports
 
 
 ELECTION_FLAGS = ("--heartbeat-interval", "50", "--election-timeout", "500")
@@ -49,6 +49,9 @@ class EtcdCluster:
         Raises:
             ElasticError: a member exited or was not healthy in time (all are stopped then).
         """
+        ports = iter(free_ports(2 * len(self.members), self.members[0].host))
+        for member in self.members:  # every port distinct, picked at once
+            member.port, member.peer_port = next(ports), next(ports)
         initial = ",".join(m.peer_url for m in self.members)
         try:
             for member in self.members:

@@ -13,7 +13,8 @@ from typing import Iterator
 
 import pytest
 
-from elastic_rt.etcd_server import EtcdServer, free_port
+from elastic_rt.errors import ElasticError
+from elastic_rt.etcd_server import EtcdServer, free_port, free_ports
 from elastic_rt.harness import child_env, wait_until
 from elastic_rt.rendezvous.etcd_kv import EtcdKV
 from tests.fixtures.processes import ProcessTree
@@ -175,3 +176,21 @@ def test_an_etcd_that_never_answers_is_one_line_after_the_wait(tmp_path: Path) -
     error = result.stderr.splitlines()[-1]
     for name in (f"cannot reach etcd at 127.0.0.1:{port}", "--etcd-wait 1 s", "--rdzv-endpoint"):
         assert name in error, error
+
+
+def test_ports_picked_together_are_all_different() -> None:
+    ports = free_ports(16)
+    assert len(set(ports)) == 16
+
+
+@pytest.mark.etcd
+def test_an_etcd_that_exits_at_start_is_reported_with_its_code_and_output() -> None:
+    """Its peer port taken (as when two members were once given the same one): etcd
+    exits, and the error says so rather than failing on its own cleanup."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = EtcdServer(peer_port=taken.getsockname()[1])
+        with pytest.raises(ElasticError, match=r"etcd exited with code \d+: .*already in use"):
+            server.start()
+    assert server.pid is None  # stopped, its data dir removed
