@@ -60,9 +60,10 @@ class Stager:
         self._reserved()
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def reserve(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """Allocate and fault in, on a thread of its own, the buffers that :meth:`stage`
-        would make for ``tensors``; whether there were any to make.
+    def reserve(self, tensors: dict[str, torch.Tensor], *, background: bool = True) -> bool:
+        """Allocate and fault in the buffers that :meth:`stage` would make for ``tensors``,
+        on a thread of its own unless ``background`` is False; whether there were any to
+        make.
 
         Why: the first save made them in the training thread, and faulting in a state's
         size of fresh memory is most of its cost (1.2 GB at 0.6 CPU: the first save
@@ -79,6 +80,9 @@ class Stager:
             for key, (shape, dtype, pin) in missing.items():
                 self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=pin).fill_(0)
 
+        if not background:
+            make()
+            return True
         self._reserving = threading.Thread(target=make, name="ckpt-stage-reserve", daemon=True)
         self._reserving.start()
         return True

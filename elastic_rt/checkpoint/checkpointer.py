@@ -152,7 +152,9 @@ class Checkpointer:
     def for_run(self, *, pointer: PointerStore | None, events: EventSink,
                 collective_timeout: timedelta,
                 round_of: Callable[[], int | None]) -> Checkpointer:
-        """A new checkpointer on this one's URL and settings, for the elastic loop.
+        """A new checkpointer on this one's URL and settings, for the elastic loop; it
+        takes this one's staging buffers (those :meth:`reserve_staging` made in a standby
+        worker before the run's keys were known), and this one starts without any.
 
         Args:
             pointer: the run's fenced pointer (None: the manifest alone commits).
@@ -162,10 +164,13 @@ class Checkpointer:
                 it runs in the round that asks for it); a save's round comes with it
                 (``save(fence=...)``), since its commit may land in a later round.
         """
-        return Checkpointer(self.url, every_steps=self.every_steps, keep=self.keep,
-                            async_save=self.async_save, storage_options=self._storage_options,
-                            pointer=pointer, events=events,
-                            collective_timeout=collective_timeout, round_of=round_of)
+        run = Checkpointer(self.url, every_steps=self.every_steps, keep=self.keep,
+                           async_save=self.async_save, storage_options=self._storage_options,
+                           pointer=pointer, events=events,
+                           collective_timeout=collective_timeout, round_of=round_of)
+        run._stager, run._staging_reserved = self._stager, self._staging_reserved
+        self._stager, self._staging_reserved = Stager(), False
+        return run
 
     def save(self, step: int, state: dict[str, Any], *, layout: dict | None = None,
              extra: dict | None = None, process_group: Any = None,
@@ -210,17 +215,18 @@ class Checkpointer:
         else:
             self._unclaimed = job()
 
-    def reserve_staging(self, state: Callable[[], dict[str, Any]]) -> bool:
+    def reserve_staging(self, state: Callable[[], dict[str, Any]], *,
+                        background: bool = True) -> bool:
         """Make the first async save's staging buffers for ``state()`` now, in the
-        background (:meth:`Stager.reserve`: the first save no longer faults a state's size
-        of fresh memory in the training thread); whether it started. Once per
-        checkpointer (``state`` is called only then): later layouts' buffers are made by
-        the save that needs them, as before.
+        background unless ``background`` is False (:meth:`Stager.reserve`: the first save
+        no longer faults a state's size of fresh memory in the training thread); whether
+        it started. Once per checkpointer (``state`` is called only then): later layouts'
+        buffers are made by the save that needs them, as before.
         """
         if not self.async_save or self.every_steps == 0 or self._staging_reserved:
             return False
         self._staging_reserved = True
-        return self._stager.reserve(flatten(state()).tensors)
+        return self._stager.reserve(flatten(state()).tensors, background=background)
 
     @property
     def is_writing(self) -> bool:

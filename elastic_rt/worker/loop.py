@@ -52,7 +52,7 @@ import logging
 import math
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -210,6 +210,11 @@ def run(
     return loop.run()
 
 
+def _will_save(checkpoint: Checkpointer | None, max_steps: int) -> TypeGuard[Checkpointer]:
+    """Whether a run of ``max_steps`` saves ``checkpoint`` at least once."""
+    return checkpoint is not None and 0 < checkpoint.every_steps <= max_steps
+
+
 class _ElasticLoop:
     def __init__(self, options: RunOptions, *, trainer: Trainer,
                  checkpoint: Checkpointer | None, sampler: ElasticSampler,
@@ -221,6 +226,7 @@ class _ElasticLoop:
         use_worker_device(self.env.local_rank)  # cuda:LOCAL_RANK is current before build runs
         self.events = EventSink(self.env.events_file, source="worker", run_id=self.env.run_id,
                                 node=self.env.node_id, rank=self.env.rank)
+        self._user_checkpoint = checkpoint  # the standby's _prepare reserves its staging
         self.membership = start_membership(self.env, prepare=self._prepare)
         self.collective_timeout = collective_timeout(self.env)
         self.joined: JoinedRound | None = None
@@ -271,9 +277,18 @@ class _ElasticLoop:
         if world < 1:
             return
         began = time.monotonic()
-        self.trainer.prepare(plan_layout(world, self.options.limits))
+        built = self.trainer.prepare(plan_layout(world, self.options.limits))
         logger.info("built ahead of the round for %d ranks in %.2f s", world,
                     time.monotonic() - began)
+        if built and _will_save(self._user_checkpoint, self.options.max_steps):
+            # The first save's staging buffers too, here where nobody waits: made by that
+            # save (or beside the first steps, see _after_step) on a node that joined a
+            # running job, the members waited for its fault-in in the next all-reduce.
+            began = time.monotonic()
+            if self._user_checkpoint.reserve_staging(self.trainer.checkpoint_state,
+                                                     background=False):
+                logger.info("made the first save's staging buffers ahead of the round in "
+                            "%.2f s", time.monotonic() - began)
 
     def _for_run(self, checkpoint: Checkpointer | None,
                  registry: RunRegistry | None) -> Checkpointer | None:
@@ -584,15 +599,16 @@ class _ElasticLoop:
         if self.on_step is not None and global_loss is not None:
             self.on_step(StepReport(step=step, loss=global_loss, local_loss=loss,
                                     world_size=ctx.world_size, round=ctx.round))
-        if (self.checkpoint is not None and not self.checkpoint.should_save(step)
-                and self.checkpoint.every_steps <= self.options.max_steps
+        if (_will_save(self.checkpoint, self.options.max_steps)
+                and not self.checkpoint.should_save(step)
                 and not self._state_streamed_in):
             # A save will come: its staging buffers are made beside the next steps, not by
             # the first save in the training thread; after a step, when the optimizer's
-            # state exists (AdamW makes its moments in the first step), once per process.
-            # Not on a rank that joined a running job: on CPUs the others would wait for
-            # it in every step the buffers take (1.2 GB at 0.6 CPU: 6-7 s steps after a
-            # join, against 3.5 s); its first save makes them, as every save did before.
+            # state exists (AdamW makes its moments in the first step), once per process
+            # (a standby made them already, in _prepare). Not on a rank that joined a
+            # running job without them: on CPUs the others would wait for it in every
+            # step the buffers take (1.2 GB at 0.6 CPU: 6-7 s steps after a join, against
+            # 3.5 s); its first save makes them.
             self.checkpoint.reserve_staging(self.trainer.checkpoint_state)
         if self.checkpoint is not None and self.checkpoint.should_save(step):
             self._save_began = time.monotonic()

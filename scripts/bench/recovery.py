@@ -227,7 +227,8 @@ class Trial:
     victim_rank: int | None
     error: str = ""
     pause_s: float | None = None
-    """Longest gap between two completed steps from the fault to 3 steps after recovery."""
+    """Longest gap between two completed steps from the fault to ``--steps-after`` steps
+    after recovery."""
     reform_ms: int | None = None
     """In-process: the survivors' longest ``groups.reformed`` in the round they resumed in."""
     step_s: float | None = None
@@ -247,8 +248,9 @@ class Trial:
     its state landing (the step it lands in done): a floor of the stream's speed."""
     admission_gap_s: float | None = None
     """Join: the members' longest gap between two of their steps from their last step before
-    the round that admits c to 3 steps after it: the pause the admission itself costs, where
-    the longest pause also holds c's start and build on the members' cores."""
+    the round that admits c to ``--steps-after`` steps after it: the pause the admission
+    itself costs, where the longest pause also holds c's start and build on the members'
+    cores."""
     busy_loopback: float | None = None
     """In-process join: one loopback TCP connection's rate (best of three) measured while
     the members train, just before c starts: what the machine's loopback gives a stream
@@ -438,8 +440,9 @@ class Job:
         first = self._until(lambda: next((r for r in self.poll() if recovered(r)), None),
                             a.recover_timeout, "the survivors' next step")
         # The job must go on after recovery (a false eviction would show here).
-        self._until(lambda: any(recovered(r) and r.step >= first.step + 3 for r in self.poll()),
-                    a.recover_timeout, "3 more steps after recovery")
+        self._until(lambda: any(recovered(r) and r.step >= first.step + a.steps_after
+                                for r in self.poll()),
+                    a.recover_timeout, f"{a.steps_after} more steps after recovery")
         if self.case.fault == "node-hang":
             self.procs.signal_tree(self.nodes[VICTIM], signal.SIGCONT)
 
@@ -449,7 +452,8 @@ class Job:
         before = [r for r in self.rows if old(r) and not recovered(r)]
         last_before = max(r.step for r in before)
         victim_rank = next((r.rank for r in before if self._is_victim(r, victim_tree)), None)
-        end = min(r.time for r in self.rows if recovered(r) and r.step >= first.step + 3)
+        end = min(r.time for r in self.rows
+                  if recovered(r) and r.step >= first.step + a.steps_after)
         times = sorted({r.time for r in self.rows if stamp - 1 <= r.time <= end} | {stamp})
         pause = max((b - a for a, b in zip(times, times[1:])), default=None)
         after = [r for r in self.rows if recovered(r) and r.node != VICTIM and r.time <= end]
@@ -711,6 +715,10 @@ def parse_args() -> argparse.Namespace:
                         "0.6 three nodes fit two cores, so a join no longer slows every "
                         "step; the loopback baselines are then measured within two nodes' "
                         "share. 0: no quota, the nodes share the machine's cores")
+    p.add_argument("--steps-after", type=int, default=3,
+                   help="steps trained after recovery before a trial ends: the window of the "
+                        "longest pause, the step after and a join's gap (more takes in a "
+                        "checkpoint save after a join, with --ckpt-every)")
     p.add_argument("--start-timeout", type=float, default=120)
     p.add_argument("--recover-timeout", type=float, default=150)
     p.add_argument("--keep", action="store_true", help="keep logs and outputs")

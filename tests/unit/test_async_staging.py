@@ -6,7 +6,10 @@ The CUDA path (pinned buffers, non-blocking copies, an event before the write) r
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +18,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from elastic_rt.checkpoint.async_save import Stager, should_pin
 from elastic_rt.checkpoint.checkpointer import Checkpointer
+from elastic_rt.worker.loop import _ElasticLoop
+from elastic_rt.worker.run_options import RunOptions
+from elastic_rt.worker.train_state import TrainState
+from elastic_rt.worker.trainers.replicated import ReplicatedTrainer
+from elastic_rt.worker.trainers.runtime_step import StepOptions
 
 
 def test_staged_copies_keep_the_values_of_the_save_step() -> None:
@@ -84,3 +92,48 @@ def test_a_checkpointer_reserves_staging_once_and_only_for_async_saves(tmp_path:
     checkpointer = Checkpointer(str(tmp_path / "async"), every_steps=5)
     assert checkpointer.reserve_staging(state)
     assert not checkpointer.reserve_staging(lambda: {"model": {"w": torch.zeros(8)}})
+
+
+def test_a_reserve_in_the_calling_thread_is_done_when_it_returns() -> None:
+    stager = Stager()
+    assert stager.reserve({"w": torch.arange(6.0)}, background=False)
+    assert stager._reserving is None  # no thread to wait for: a standby's build is done
+    assert stager.nbytes == 6 * 4
+
+
+def test_the_run_checkpointer_takes_the_staging_a_standby_reserved(tmp_path: Path) -> None:
+    weights = torch.arange(4.0)
+    user = Checkpointer(str(tmp_path / "ckpt"), every_steps=5)
+    assert user.reserve_staging(lambda: {"model": {"w": weights}}, background=False)
+    run = user.for_run(pointer=None, events=None,  # type: ignore[arg-type]
+                       collective_timeout=timedelta(seconds=30), round_of=lambda: None)
+    assert run._stager.nbytes == 4 * 4
+    assert not run.reserve_staging(lambda: {"model": {"w": weights}})  # made already
+    assert user._stager.nbytes == 0  # handed over, not shared
+
+
+def _standby(checkpoint: Checkpointer | None, max_steps: int) -> SimpleNamespace:
+    """A standby worker's loop as ``_ElasticLoop._prepare`` reads it: no round yet, one rank
+    on this node, a replicated trainer of an 80-byte model and SGD with momentum."""
+    def build(layout: Any) -> TrainState:
+        model = torch.nn.Linear(4, 4)
+        return TrainState(model=model,
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    return SimpleNamespace(
+        env=SimpleNamespace(in_round=False, max_nodes=0, node_id="c", local_world_size=1),
+        options=RunOptions(max_steps=max_steps, global_batch_size=4),
+        trainer=ReplicatedTrainer(build, lambda state, batch: torch.zeros(()), StepOptions()),
+        _user_checkpoint=checkpoint)
+
+
+def test_a_standby_worker_makes_the_first_saves_staging_before_it_registers(
+        tmp_path: Path) -> None:
+    no_round = SimpleNamespace(registry=SimpleNamespace(current_round=lambda: None))
+    checkpoint = Checkpointer(str(tmp_path / "ckpt"), every_steps=5)
+    _ElasticLoop._prepare(_standby(checkpoint, max_steps=10), no_round)  # type: ignore[arg-type]
+    # weights, bias and their momentum buffers: every byte before the round, none by a thread
+    assert checkpoint._stager._reserving is None and checkpoint._stager.nbytes == 2 * 20 * 4
+    never = Checkpointer(str(tmp_path / "later"), every_steps=50)  # no save within the run
+    _ElasticLoop._prepare(_standby(never, max_steps=10), no_round)  # type: ignore[arg-type]
+    assert never._stager.nbytes == 0

@@ -117,9 +117,10 @@ class Trainer(Protocol):
     def result(self) -> Any:
         """What ``run`` returns: the ``TrainState`` or the object ``build`` made."""
 
-    def prepare(self, layout: Layout) -> None:
+    def prepare(self, layout: Layout) -> bool:
         """Build ahead of the round, outside any (a standby worker, for the layout its
-        admission will most likely give), so that nobody waits on it then; may do nothing."""
+        admission will most likely give), so that nobody waits on it then; may do nothing.
+        Whether it built this rank's state (:meth:`checkpoint_state` then holds it)."""
 
     def restore(self, at: Restoring) -> Restored:
         """Bring this rank's state to the newest step any rank holds."""

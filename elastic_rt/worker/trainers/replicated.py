@@ -139,7 +139,7 @@ class ReplicatedTrainer(TrainStateTrainer):
         """A receiver that kept its older state: the holders' outline, the fresh tensors
         its stream writes, and how to go back to the older position if it breaks."""
 
-    def prepare(self, layout: Layout) -> None:
+    def prepare(self, layout: Layout) -> bool:
         """Build before the admitting round, so the members do not wait on ``build`` in
         the restore's agreement (1.0-1.5 s for 100M parameters here). A build that fails
         outside a round (e.g. it reads ``context()``) is simply done in the round instead.
@@ -155,12 +155,13 @@ class ReplicatedTrainer(TrainStateTrainer):
         except Exception as exc:  # noqa: B902 - the round's build raises it again, as it must
             logger.info("build ahead of the round failed (%s); building in the round", exc)
             self.state = None
-            return
+            return False
         self.stepper = ReplicatedStep(self.state, self.step_fn, self.options,
                                       stop_on_notice=True)
         initialize_optimizer_state(self.state.optimizer)
         self.stepper.bind(None)
         self._prepared_for = layout
+        return True
 
     def restore(self, at: Restoring) -> Restored:
         prepared_for, self._prepared_for = self._prepared_for, None

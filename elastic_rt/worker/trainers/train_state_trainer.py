@@ -27,8 +27,9 @@ class TrainStateTrainer:
     def result(self) -> Any:
         return self.state
 
-    def prepare(self, layout: Layout) -> None:
+    def prepare(self, layout: Layout) -> bool:
         """Nothing ahead of the round by default (FSDP wraps the model over its groups)."""
+        return False
 
     def is_step_atomic(self) -> bool:
         return True

@@ -92,8 +92,9 @@ class OwnedStepTrainer:
     def checkpoint_meta(self, *, step: int, sampler: ElasticSampler) -> TrainMeta:
         return TrainMeta.capture(step=step, sampler=sampler, state=self.state)
 
-    def prepare(self, layout: Layout) -> None:
+    def prepare(self, layout: Layout) -> bool:
         """Nothing ahead of the round: the object takes its groups while it is built."""
+        return False
 
     def hand_over(self, ctx: Context, step: int) -> None:
         """Nothing: a leaver's parts come from ranks holding the same cut, else from the

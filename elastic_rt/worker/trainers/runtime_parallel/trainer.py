@@ -120,8 +120,9 @@ class RuntimeParallelTrainer:
         """The rank's :class:`TrainState`: its stages' parts, under the full model's names."""
         return self.state
 
-    def prepare(self, layout: Layout) -> None:
+    def prepare(self, layout: Layout) -> bool:
         """Nothing ahead of the round: the tensor split takes the round's mesh."""
+        return False
 
     def restore(self, at: Restoring) -> Restored:
         self.copies.stop()
