@@ -5,9 +5,9 @@ Three ranks train the same AdamW model (a scheduler, extras, one transposed and 
 non-contiguous parameter) for three steps from a fresh start. Restored again, all three
 hold the same state: nothing moves and nothing is touched. Then rank 2 is replaced by a
 newcomer (built, never stepped, empty AdamW state) while ranks 0 and 1 train two steps
-more. The newcomer's restore returns at once; all three then train the next step while
-the state streams, in chunks small enough that many go each way (shared by the holders),
-the newcomer once its model has landed. After that step all three are bitwise equal
+more. The newcomer's restore returns at once; the holders then train the next step on the
+whole batch while the state streams, in chunks small enough that many go each way (shared
+by the holders), and the newcomer sits it out. After that step all three are bitwise equal
 (model, optimizer with its step counts, the scheduler's learning rate, TrainMeta) and
 equal to that step taken in one process. In the second test a holder dies mid-stream: the
 survivors re-form, the holder that is left still holds the step before (its update waited
@@ -118,7 +118,8 @@ def _streamed_step(trainer: ReplicatedTrainer, ctx: Any, progress: Progress,
 
 
 def _batch(step: int) -> torch.Tensor:
-    """A streamed step's global batch: 2 samples a rank for 3 ranks (BatchNorm needs 2)."""
+    """A streamed step's global batch: 3 samples a rank for the 2 holders that train it, the
+    newcomer sitting out (BatchNorm needs 2)."""
     torch.manual_seed(100 + step)
     return torch.randn(6, 6)
 
@@ -205,7 +206,7 @@ def _kill_then_join(env: WorkerEnv) -> dict[str, Any]:
                                           and _BUILDS[0] == builds)
         dirty_while_streaming = progress.is_dirty
         assert trainer.state is not None
-        reference = (_one_process_step(copy.deepcopy(trainer.state), 3, step=6)
+        reference = (_one_process_step(copy.deepcopy(trainer.state), 2, step=6)
                      if env.rank == 0 else {})
         landed = _streamed_step(trainer, ctx, progress, sampler, joined, step=6)
         return {"kept": _said(kept), "untouched": untouched, "joined": _said(joined),
@@ -226,22 +227,23 @@ def test_survivors_move_nothing_and_a_newcomer_gets_the_holders_state_while_they
     holder, newcomer = results[0], results[2]
     assert newcomer["step"] == holder["step"] == 6
     # the holders' forward ran while the newcomer's bytes were still arriving; the
-    # newcomer's too, once its model had landed: none sat out
+    # newcomer sat that step out: its step function did not run after its restore
     assert newcomer["landed"] > holder["entered"][0] > holder["returned_at"]
-    assert newcomer["entered"][0] > newcomer["returned_at"]
-    assert all((got["receiving"], got["sitting_out"]) == ((2,), ()) for got in results)
+    assert all(t < newcomer["returned_at"] for t in newcomer["entered"])
+    assert all((got["receiving"], got["sitting_out"]) == ((2,), (2,)) for got in results)
     assert newcomer["dirty"] == [True, False]
     assert newcomer["kept_prepared"]  # built before the round, not again in it
     assert newcomer["tensors"].keys() == holder["tensors"].keys()
     for name, tensor in holder["tensors"].items():
-        if name in _BUFFERS:  # each rank's forward wrote its own, from the holders' state
+        if name in _BUFFERS:  # the holders' forward wrote theirs; the newcomer sat out
             continue
         assert torch.equal(newcomer["tensors"][name], tensor), name
         assert torch.equal(results[1]["tensors"][name], tensor), name
         torch.testing.assert_close(tensor, holder["reference"][name], atol=1e-6, rtol=0,
                                    msg=name)
     tracked = "model.norm.num_batches_tracked"
-    assert newcomer["tensors"][tracked] == holder["buffers_before"][tracked] + 1
+    assert newcomer["tensors"][tracked] == holder["buffers_before"][tracked]  # the step before
+    assert holder["tensors"][tracked] == holder["buffers_before"][tracked] + 1
     assert any(name.endswith(".step") for name in holder["tensors"])
     # staged: the holders' strided moment, and the newcomer's strided parameter (its
     # moments are allocated contiguous, so they are received in place)

@@ -22,10 +22,8 @@ from elastic_rt.worker.trainers.replica_transfer import (
 
 @pytest.mark.parametrize(("standings", "expected"), [
     ([(7, 11), (7, 11), (7, 11)], Agreement(step=7, holders=(0, 1, 2), receivers=())),
-    ([(7, 11), (7, 11), (-1, 0)], Agreement(step=7, holders=(0, 1), receivers=(2,),
-                                            empty=(2,))),
-    ([(7, 11), (-1, 0), (6, 3)], Agreement(step=7, holders=(0,), receivers=(1, 2),
-                                           empty=(1,))),
+    ([(7, 11), (7, 11), (-1, 0)], Agreement(step=7, holders=(0, 1), receivers=(2,))),
+    ([(7, 11), (-1, 0), (6, 3)], Agreement(step=7, holders=(0,), receivers=(1, 2))),
     ([(6, 5), (7, 11), (7, 11)], Agreement(step=7, holders=(1, 2), receivers=(0,))),
     ([(7, 11), (7, 12), (7, 11)], Agreement(step=7, holders=(0, 2), receivers=(1,))),
     ([(7, 12), (7, 11), (7, 11)], Agreement(step=7, holders=(0,), receivers=(1, 2))),

@@ -77,9 +77,6 @@ class Agreement:
     """The newest step any rank holds; -1 when none holds state."""
     holders: tuple[int, ...]
     receivers: tuple[int, ...]
-    empty: tuple[int, ...] = ()
-    """The receivers that hold no clean state at all (a newcomer, a rank whose last stream
-    broke): they are written in place, so they may compute once the model has landed."""
 
     @property
     def is_settled(self) -> bool:
@@ -101,8 +98,7 @@ def plan(standings: list[tuple[int, int]]) -> Agreement:
     reference = next(print_ for step, print_ in standings if step == best)
     holders = tuple(r for r, s in enumerate(standings) if s == (best, reference))
     receivers = tuple(r for r in range(len(standings)) if r not in holders)
-    empty = tuple(r for r in receivers if standings[r][0] < 0)
-    return Agreement(step=best, holders=holders, receivers=receivers, empty=empty)
+    return Agreement(step=best, holders=holders, receivers=receivers)
 
 
 def agree(step: int, print_: int, group: dist.ProcessGroup) -> Agreement:
@@ -186,18 +182,12 @@ class Stream:
     tensors go over the stream's own TCP connections (``tcp_stream.open_links``, one small
     all-gather here: collective over ``group``), the rest through the group's backend.
 
-    A receiver may start computing before the last byte: the plan sends the tensors in
-    their order, so the first ones (the model's, ``replica_state.named_tensors``) land
-    first, and :meth:`wait_first` returns once they have.
-
     Args:
         tensors, agreement, group, chunk_bytes: as for :func:`transfer`.
-        first: how many of the leading tensors :meth:`wait_first` waits for.
     """
 
     def __init__(self, tensors: list[torch.Tensor], agreement: Agreement,
-                 group: dist.ProcessGroup, *, chunk_bytes: int = CHUNK_BYTES,
-                 first: int = 0) -> None:
+                 group: dist.ProcessGroup, *, chunk_bytes: int = CHUNK_BYTES) -> None:
         me = dist.get_rank(group)
         self.bytes = planned_bytes([t.numel() * t.element_size() for t in tensors], agreement,
                                    me, chunk_bytes=chunk_bytes)
@@ -210,9 +200,7 @@ class Stream:
         """From the start to the last byte sent or received (set by the stream's thread):
         the stream's own speed, where :attr:`seconds` also holds the training it hid in."""
         self._done: Future[int] = Future()
-        self._first: Future[None] = Future()
-        self._wires = _Wires(tensors, me in agreement.receivers,
-                             first=first, on_first=lambda: self._first.set_result(None))
+        self._wires = _Wires(tensors, me in agreement.receivers)
         self._thread = threading.Thread(
             target=self._run, args=(agreement, group, chunk_bytes),
             name="replica-stream", daemon=True)
@@ -226,16 +214,6 @@ class Stream:
         if self._links is not None:
             self._links.close()
         self._wires.give_up()
-
-    def wait_first(self) -> None:
-        """On a receiver, wait until the first ``first`` tensors have landed whole (at once
-        on a holder, and where ``first`` is 0).
-
-        Raises:
-            RoundAbandoned: a newer round dropped a member while the transfer waited.
-            RuntimeError: a peer's connection failed.
-        """
-        abort.wait(self._first)
 
     def finish(self) -> int:
         """Wait for the last byte; the bytes this rank sent or received.
@@ -257,11 +235,8 @@ class Stream:
                 moved = _transfer_tcp(self._links, self._wires, agreement, chunk_bytes)
             self.wire_seconds = time.monotonic() - self.began
             self._done.set_result(moved)
-            self._wires.landed_all()
-        except Exception as exc:  # a thread boundary: finish() and wait_first() raise it
+        except Exception as exc:  # a thread boundary: finish() raises it
             self._done.set_exception(exc)  # type: ignore[arg-type]  # torch types it as T
-            if not self._first.done():
-                self._first.set_exception(exc)  # type: ignore[arg-type]
         finally:
             if self._links is not None:
                 self._links.close()
@@ -338,20 +313,11 @@ def _transfer(wires: _Wires, agreement: Agreement, group: dist.ProcessGroup,
 
 class _Wires:
     """Each tensor as one flat run of bytes: its own memory when contiguous, else a staging
-    copy (filled from the tensor on a holder, copied into it on a receiver).
+    copy (filled from the tensor on a holder, copied into it on a receiver)."""
 
-    ``on_first`` runs once the first ``first`` tensors have landed on a receiver (at once
-    on a holder, or when ``first`` is 0)."""
-
-    def __init__(self, tensors: list[torch.Tensor], is_receiver: bool, *, first: int = 0,
-                 on_first: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, tensors: list[torch.Tensor], is_receiver: bool) -> None:
         self.tensors, self.is_receiver = tensors, is_receiver
         self.sizes = [t.numel() * t.element_size() for t in tensors]
-        self._awaited = set(range(min(first, len(tensors)) if is_receiver else 0))
-        self._on_first: Callable[[], None] | None = on_first
-        self._first_lock = threading.Lock()  # pieces land on one thread per holder
-        if not self._awaited:
-            self._first_landed()
         self.staged: dict[int, torch.Tensor] = {}
         self.open_receives: defaultdict[int, list[Future[None]]] = defaultdict(list)
         """By tensor, the receives posted into it (a done one may be left here)."""
@@ -407,21 +373,7 @@ class _Wires:
                     staged = self.staged.pop(index)
                     if not self._given_up:  # else its bytes may be late ones of a round gone
                         self.tensors[index].copy_(staged)
-            self._awaited.discard(index)
-            if not self._awaited:
-                self._first_landed()
         return landed
-
-    def landed_all(self) -> None:
-        """Every tensor is in place (a stream that moved nothing here, too)."""
-        self._awaited.clear()
-        self._first_landed()
-
-    def _first_landed(self) -> None:
-        with self._first_lock:
-            on_first, self._on_first = self._on_first, None
-        if on_first is not None:
-            on_first()
 
 
 class _Waiter:

@@ -7,12 +7,11 @@ Rule: nothing moves where nothing must, and a join does not stop the job
     every rank holds it       -> nothing moves: "kept", 0 bytes (a node kill)
     some ranks lack it        -> holder 0 broadcasts the small Outline; the receivers take the
                                  position from it; the tensors stream point to point from the
-                                 holders, striped, into the receivers' own tensors, the model's
-                                 first, while every rank trains the next step: a newcomer once
-                                 its model has landed (the optimizer state still arriving), a
-                                 rank that keeps an older state (below) on no sample; everyone
-                                 waits for the stream before the update, and the receivers
-                                 apply the same averaged gradients
+                                 holders, striped, into the receivers' own tensors, while the
+                                 holders train the next step on the whole global batch and the
+                                 receivers sit it out (no sample); everyone waits for the
+                                 stream before the update, and the receivers apply the same
+                                 averaged gradients
     nobody holds state        -> the newest committed checkpoint, else rank 0's build (a start)
 
 Built once per worker: survivors keep theirs, and their state is already that of the last
@@ -26,9 +25,21 @@ built. A receiver that holds a clean state of an older step (it was one step beh
 peer died mid-step) receives into fresh tensors instead, and keeps its own until the last
 byte has arrived: one more state on that rank for one step, so that the holders dying
 mid-stream leave the job its older step rather than nothing (soak finding 13).
-A newcomer's forward writes its buffers (BatchNorm's running statistics) from the holders'
-as every rank's does from its own; a rank sitting the step out keeps the holders' of the
-step before.
+A receiver sitting the step out keeps the holders' buffers (BatchNorm's running
+statistics) of the step before.
+
+Why the receivers sit the landing step out rather than train their share once the model
+has landed (as this module did until 2026-12-07): receiving the state costs a receiver CPU
+(here) or link time in that step, and its first forward and backward in a fresh process are
+slower than later ones, so the holders waited for it in the all-reduce; sitting out, it only
+receives, and the holders' share grows by 1/(n-1) for one step, which shrinks as the job
+grows. At 1.2 GB, 0.6 CPU a node, one thread a worker (``scripts/bench/recovery.py --cases
+inproc-join --state-mb 1200 --kill-step 8 --ckpt-every 1000 --cores-per-node 0.6
+--worker-threads 1``): the members' gap at the admission +0.43 to +1.60 s beyond a normal
+step while the newcomer trained (5 trials; its forward and backward 1.36 s against 0.5-0.7 s,
+the members waiting 1.1 s for it; median +0.95), +0.28 to +0.98 s sitting out (8 trials;
+median +0.58 in the 5 at the change); with torch's default two threads a worker, +0.56 to
++1.11 s against +0.88 to +2.23 s.
 
 Measured at 400 MB of AdamW state on 3 gloo ranks (2 shared cores): after a kill the restore
 took 4.0 s when the whole state was broadcast, and takes 0.1 s with 0 bytes moved (the
@@ -217,15 +228,12 @@ class ReplicatedTrainer(TrainStateTrainer):
         if is_receiver:
             at.take(TrainMeta.decode(outline.meta), state, stepper)
             at.progress.is_dirty = True  # its tensors are still arriving
-        model_tensors = sum(name.startswith("model.") for name, _, _ in outline.signature)
-        self.stream = stream = Stream(tensors, agreement, group, chunk_bytes=self.chunk_bytes,
-                                      first=model_tensors)
+        self.stream = stream = Stream(tensors, agreement, group, chunk_bytes=self.chunk_bytes)
         self._receiving = at.progress if is_receiver else None
         holders = ",".join(str(r) for r in agreement.holders)
         return Restored(f"rank{'s' if len(agreement.holders) > 1 else ''} {holders}",
                         stream.bytes, receiving=agreement.receivers,
-                        sitting_out=tuple(r for r in agreement.receivers
-                                          if r not in agreement.empty),
+                        sitting_out=agreement.receivers,
                         stream_seconds=lambda: stream.wire_seconds)
 
     @staticmethod
@@ -281,9 +289,6 @@ class ReplicatedTrainer(TrainStateTrainer):
     def train(self, micro_batches: list[tuple[Any, int]], *, global_len: int, ctx: Context,
               step: int) -> tuple[float, float]:
         assert self.stepper is not None
-        if self.stream is not None and micro_batches:
-            # A receiver that trains in the step its state lands in: the model first
-            self.stream.wait_first()
         loss = self.stepper.run(micro_batches, global_len=global_len, rank=ctx.rank, step=step,
                                 before_update=self._finish_stream)
         return loss.local_mean, loss.contribution
