@@ -95,6 +95,29 @@ def _loopback_once(nbytes: int, chunk: int) -> float:
     return nbytes / elapsed
 
 
+def receive_once(nbytes: int = 1 << 30, chunk: int = 16 << 20) -> None:
+    """One side of a two-process :func:`loopback_rate`: listen, print the port, take
+    ``nbytes`` from the first connection and print its rate (from the accept on), for a
+    caller that holds each side to a node's CPU share."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        print(server.getsockname()[1], flush=True)
+        conn, _ = server.accept()
+        began = time.perf_counter()
+        with conn:
+            buffer, left = memoryview(bytearray(chunk)), nbytes
+            while left:
+                left -= conn.recv_into(buffer, min(chunk, left))
+        print(nbytes / (time.perf_counter() - began), flush=True)
+
+
+def send_once(port: int, nbytes: int = 1 << 30, chunk: int = 16 << 20) -> None:
+    """The other side of :func:`receive_once`: once a line on stdin says go (its caller
+    has moved it into its CPU share by then), send ``nbytes`` of zeros to ``port``."""
+    import sys
+    sys.stdin.readline()
+    _send_zeros(("127.0.0.1", port), nbytes, chunk)
+
+
 def _send_zeros(address: tuple[str, int], nbytes: int, chunk: int) -> None:
     block = memoryview(bytes(chunk))  # a view: a short last slice of bytes would be a copy
     with socket.create_connection(address) as conn:
