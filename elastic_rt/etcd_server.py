@@ -140,10 +140,21 @@ class EtcdServer:
 
     @property
     def peer_url(self) -> str:
-        """This member's entry for ``initial_cluster`` (the peer port is picked here)."""
-        if self.peer_port == 0:
-            self.peer_port = next(p for p in free_ports(2, self.host) if p != self.port)
+        """This member's entry for ``initial_cluster`` (its peer port picked first, with the
+        client port when that is to be picked too: :meth:`_pick_ports`)."""
+        self._pick_ports()
         return f"{self.name}=http://{self.host}:{self.peer_port}"
+
+    def _pick_ports(self) -> None:
+        """Free ports for the client and peer ports not given, picked together so that
+        they differ (an ``EtcdCluster`` gives all of its members' at once)."""
+        if self.port is not None and self.peer_port != 0:
+            return
+        fresh = (p for p in free_ports(2, self.host) if p not in (self.port, self.peer_port))
+        if self.port is None:
+            self.port = next(fresh)
+        if self.peer_port == 0:
+            self.peer_port = next(fresh)
 
     def start(self, timeout: float = 30.0, *, wait: bool = True) -> "EtcdServer":
         """Start etcd and (unless ``wait`` is false) wait until ``/health`` answers.
@@ -157,13 +168,12 @@ class EtcdServer:
             ElasticError: etcd exited or did not get healthy within ``timeout``.
         """
         binary = find_etcd_binary()
-        if self.port is None:
-            self.port = next(p for p in free_ports(2, self.host) if p != self.peer_port)
-        elif not is_port_free(self.port, self.host):
+        if self.port is not None and not is_port_free(self.port, self.host):
             raise ConfigError(
                 f"port {self.port} on {self.host} is already in use",
                 "Pick another --port, or stop whatever listens there.",
             )
+        self._pick_ports()
         if self.data_dir is None:
             self.data_dir = owned_temp_dir(_DATA_DIR_PREFIX)
             self._owns_data_dir = True
