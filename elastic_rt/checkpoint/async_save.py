@@ -3,8 +3,9 @@
 The caller blocks only while tensors are copied into CPU staging buffers. The
 buffers are kept and reused from save to save, so steady-state staging allocates
 nothing and holds at most one extra copy of the state (1x its size); the elastic loop
-has the first save's made on a thread of its own beside the first steps
-(:meth:`Stager.reserve`), so that no save faults fresh memory in. One write is in
+has the first save's made ahead (:meth:`Stager.reserve`: on a thread of its own beside
+the first steps, or in a standby worker before its node registers), so that no save
+faults fresh memory in. One write is in
 flight at a time: the next save first waits for the previous one, because the
 previous write still reads the staging buffers.
 
